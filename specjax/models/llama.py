@@ -1,0 +1,373 @@
+"""Functional Llama-family verifier: a weights pytree and a pure `forward`.
+
+One abstract declaration (`weight_specs`) gives every weight its shape and logical axes; it drives random init,
+sharding and loading. Shape letters: B batch, T new tokens, S cache slots, D hidden, N query heads, K kv heads,
+G query heads per kv head, H head dim, F MLP width, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.errors import CheckpointError
+from specjax.kv_cache import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    """All decoder layers, stacked on a leading L axis so the forward can scan over them."""
+
+    attn_norm: jax.Array  # [L, D]
+    q: jax.Array  # [L, D, N, H]
+    k: jax.Array  # [L, D, K, H]
+    v: jax.Array  # [L, D, K, H]
+    o: jax.Array  # [L, N, H, D]
+    mlp_norm: jax.Array  # [L, D]
+    gate: jax.Array  # [L, D, F]
+    up: jax.Array  # [L, D, F]
+    down: jax.Array  # [L, F, D]
+    q_bias: jax.Array | None = None  # [L, N, H] (Qwen2)
+    k_bias: jax.Array | None = None  # [L, K, H]
+    v_bias: jax.Array | None = None  # [L, K, H]
+    q_norm: jax.Array | None = None  # [L, H] (Qwen3)
+    k_norm: jax.Array | None = None  # [L, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    embed: jax.Array  # [V, D]
+    layers: LayerWeights
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """Shape and logical axis names of one weight."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+
+
+def weight_specs(cfg: ModelConfig) -> Weights:
+    """The abstract weights of `cfg`: a Weights pytree whose leaves are ArraySpecs."""
+    L, D, N, K, H, F, V = (
+        cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+        cfg.vocab_size,
+    )  # fmt: skip
+    bias = cfg.attention_bias
+    layers = LayerWeights(
+        attn_norm=ArraySpec((L, D), ("layers", "embed")),
+        q=ArraySpec((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
+        k=ArraySpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        v=ArraySpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        o=ArraySpec((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
+        mlp_norm=ArraySpec((L, D), ("layers", "embed")),
+        gate=ArraySpec((L, D, F), ("layers", "embed", "mlp")),
+        up=ArraySpec((L, D, F), ("layers", "embed", "mlp")),
+        down=ArraySpec((L, F, D), ("layers", "mlp", "embed")),
+        q_bias=ArraySpec((L, N, H), ("layers", "heads", "head_dim")) if bias else None,
+        k_bias=ArraySpec((L, K, H), ("layers", "kv_heads", "head_dim")) if bias else None,
+        v_bias=ArraySpec((L, K, H), ("layers", "kv_heads", "head_dim")) if bias else None,
+        q_norm=ArraySpec((L, H), ("layers", "head_dim")) if cfg.qk_norm else None,
+        k_norm=ArraySpec((L, H), ("layers", "head_dim")) if cfg.qk_norm else None,
+    )
+    return Weights(
+        embed=ArraySpec((V, D), ("vocab", "embed")),
+        layers=layers,
+        final_norm=ArraySpec((D,), ("embed",)),
+        lm_head=None if cfg.tie_word_embeddings else ArraySpec((D, V), ("embed", "vocab")),
+    )
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ArraySpec)
+
+
+def init_weights(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Weights:
+    """Random weights, e.g. for tests and benchmarks of untrained shapes: matrices normal(0, scale), norms 1 + noise."""
+    leaves, treedef = jax.tree.flatten(weight_specs(cfg), is_leaf=_is_spec)
+    keys = jax.random.split(key, len(leaves))
+
+    def make(spec: ArraySpec, k: jax.Array) -> jax.Array:
+        noise = scale * jax.random.normal(k, spec.shape, jnp.float32)
+        is_norm = spec.axes[-1] in ("embed", "head_dim") and len(spec.axes) <= 2 and spec.axes[0] != "vocab"
+        return (1.0 + noise if is_norm else noise).astype(dtype)
+
+    return treedef.unflatten([make(s, k) for s, k in zip(leaves, keys)])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conversion from the HF naming and [out, in] layout. Every loader (safetensors, GGUF, converted cache) lands here.
+
+
+def hf_tensor_names(cfg: ModelConfig) -> list[str]:
+    """The HF tensor names a checkpoint of `cfg` must contain."""
+    per_layer = [
+        "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ]  # fmt: skip
+    if cfg.attention_bias:
+        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if cfg.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    names += [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def weights_from_hf(
+    cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype=jnp.float32, shardings: Weights | None = None
+) -> Weights:
+    """Builds Weights from tensors in HF naming and PyTorch [out, in] layout.
+
+    Args:
+      cfg: the model config.
+      get: returns the named tensor as a numpy array; raises KeyError when absent.
+      dtype: the dtype of the returned weights.
+      shardings: optional Weights pytree of shardings to place each weight with.
+    Returns:
+      The Weights. Raises CheckpointError naming any missing or mis-shaped tensor.
+    """
+    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        try:
+            t = get(name)
+        except KeyError:
+            raise CheckpointError(f"checkpoint lacks tensor {name!r} (expected shape {list(shape)})") from None
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+        return np.asarray(t, np.float32)
+
+    def stack(suffix: str, shape: tuple[int, ...], to_jax: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        return np.stack([to_jax(fetch(f"model.layers.{i}.{suffix}", shape)) for i in range(cfg.num_layers)])
+
+    def proj_in(heads):  # [heads*H, D] -> [D, heads, H]
+        return lambda w: w.T.reshape(D, heads, H)
+
+    specs = weight_specs(cfg)
+    F = cfg.intermediate_size
+    host = Weights(
+        embed=fetch("model.embed_tokens.weight", (cfg.vocab_size, D)),
+        layers=LayerWeights(
+            attn_norm=stack("input_layernorm.weight", (D,), lambda w: w),
+            q=stack("self_attn.q_proj.weight", (N * H, D), proj_in(N)),
+            k=stack("self_attn.k_proj.weight", (K * H, D), proj_in(K)),
+            v=stack("self_attn.v_proj.weight", (K * H, D), proj_in(K)),
+            o=stack("self_attn.o_proj.weight", (D, N * H), lambda w: w.T.reshape(N, H, D)),
+            mlp_norm=stack("post_attention_layernorm.weight", (D,), lambda w: w),
+            gate=stack("mlp.gate_proj.weight", (F, D), lambda w: w.T),
+            up=stack("mlp.up_proj.weight", (F, D), lambda w: w.T),
+            down=stack("mlp.down_proj.weight", (D, F), lambda w: w.T),
+            q_bias=stack("self_attn.q_proj.bias", (N * H,), lambda b: b.reshape(N, H)) if cfg.attention_bias else None,
+            k_bias=stack("self_attn.k_proj.bias", (K * H,), lambda b: b.reshape(K, H)) if cfg.attention_bias else None,
+            v_bias=stack("self_attn.v_proj.bias", (K * H,), lambda b: b.reshape(K, H)) if cfg.attention_bias else None,
+            q_norm=stack("self_attn.q_norm.weight", (H,), lambda w: w) if cfg.qk_norm else None,
+            k_norm=stack("self_attn.k_norm.weight", (H,), lambda w: w) if cfg.qk_norm else None,
+        ),
+        final_norm=fetch("model.norm.weight", (D,)),
+        lm_head=None if cfg.tie_word_embeddings else fetch("lm_head.weight", (cfg.vocab_size, D)).T,
+    )
+    jax.tree.map(lambda spec, w: _check_shape(spec, w), specs, host, is_leaf=_is_spec)
+    if shardings is None:
+        return jax.tree.map(lambda w: jnp.asarray(w, dtype), host)
+    return jax.tree.map(lambda w, s: jax.device_put(w.astype(dtype), s), host, shardings)
+
+
+def weights_to_hf(cfg: ModelConfig, weights: Weights) -> dict[str, np.ndarray]:
+    """The inverse of `weights_from_hf`: float32 numpy tensors in HF naming and layout."""
+    w = jax.tree.map(lambda x: np.asarray(x, np.float32), weights)
+    lw, D = w.layers, cfg.hidden_size
+    out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm}
+    if w.lm_head is not None:
+        out["lm_head.weight"] = np.ascontiguousarray(w.lm_head.T)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = lw.attn_norm[i]
+        out[p + "post_attention_layernorm.weight"] = lw.mlp_norm[i]
+        for name, arr in (("q", lw.q), ("k", lw.k), ("v", lw.v)):
+            out[p + f"self_attn.{name}_proj.weight"] = np.ascontiguousarray(arr[i].reshape(D, -1).T)
+        out[p + "self_attn.o_proj.weight"] = np.ascontiguousarray(lw.o[i].reshape(-1, D).T)
+        for name, arr in (("gate", lw.gate), ("up", lw.up), ("down", lw.down)):
+            out[p + f"mlp.{name}_proj.weight"] = np.ascontiguousarray(arr[i].T)
+        if cfg.attention_bias:
+            for name, arr in (("q", lw.q_bias), ("k", lw.k_bias), ("v", lw.v_bias)):
+                out[p + f"self_attn.{name}_proj.bias"] = arr[i].reshape(-1)
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = lw.q_norm[i]
+            out[p + "self_attn.k_norm.weight"] = lw.k_norm[i]
+    return out
+
+
+def _check_shape(spec: ArraySpec, w: np.ndarray) -> None:
+    if tuple(w.shape) != spec.shape:  # a bug in a converter, not a user error
+        raise AssertionError(f"converted weight has shape {w.shape}, expected {spec.shape}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward.
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale * normed.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse rotary frequencies [H/2], with llama3 / linear scaling applied."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq.astype(np.float32)
+    if rs.rope_type == "linear":
+        return (inv_freq / rs.factor).astype(np.float32)
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    scaled = np.where(medium, (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq, scaled)
+    return scaled.astype(np.float32)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding in the HF (rotate-half) layout."""
+    angles = positions_bt[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x_btnh.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x_btnh.dtype)
+    x1, x2 = jnp.split(x_btnh, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attention_mask(
+    cfg: ModelConfig, positions_bt: jax.Array, cache_lengths_b: jax.Array, num_slots: int, new_mask_btt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Which keys each new query may see.
+
+    Args:
+      cfg: the model config (for the sliding window).
+      positions_bt: rotary positions of the new tokens.
+      cache_lengths_b: valid cache slots per row; slot s holds position s.
+      num_slots: S, the cache capacity.
+      new_mask_btt: which new tokens each new token sees (causal for a chain, ancestors for a tree).
+    Returns:
+      (cache mask [B, T, S], new-token mask [B, T, T]), booleans.
+    """
+    slots = jnp.arange(num_slots)
+    cache_mask = slots[None, None, :] < cache_lengths_b[:, None, None]
+    new_mask = new_mask_btt
+    if cfg.sliding_window is not None:
+        cache_mask &= slots[None, None, :] > positions_bt[:, :, None] - cfg.sliding_window
+        new_mask &= positions_bt[:, None, :] > positions_bt[:, :, None] - cfg.sliding_window
+    return cache_mask, new_mask
+
+
+def _attend(q_btkgh, k_cache_bskh, v_cache_bskh, k_new_btkh, v_new_btkh, cache_mask_bts, new_mask_btt):
+    """Softmax attention over the valid cache slots and the new tokens, without concatenating either."""
+    scale = q_btkgh.shape[-1] ** -0.5
+    neg = jnp.finfo(jnp.float32).min
+    s_cache = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_cache_bskh, preferred_element_type=jnp.float32) * scale
+    s_new = jnp.einsum("btkgh,bukh->bkgtu", q_btkgh, k_new_btkh, preferred_element_type=jnp.float32) * scale
+    s_cache = jnp.where(cache_mask_bts[:, None, None], s_cache, neg)
+    s_new = jnp.where(new_mask_btt[:, None, None], s_new, neg)
+    m = jnp.maximum(s_cache.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
+    p_cache, p_new = jnp.exp(s_cache - m), jnp.exp(s_new - m)
+    denom = p_cache.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
+    dtype = v_new_btkh.dtype
+    out = jnp.einsum("bkgts,bskh->btkgh", (p_cache / denom).astype(dtype), v_cache_bskh)
+    return out + jnp.einsum("bkgtu,bukh->btkgh", (p_new / denom).astype(dtype), v_new_btkh)
+
+
+def forward(
+    weights: Weights,
+    cfg: ModelConfig,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    cache: KVCache,
+    new_mask_btt: jax.Array | None = None,
+    tap_layers: tuple[int, ...] = (),
+    logits_at: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """Runs the decoder on T new tokens per row against a KV cache, and writes their keys and values into it.
+
+    The new tokens go to cache slots `cache.lengths + arange(T)`; `cache.lengths` is left for the caller to advance
+    (by the number of tokens it accepts), so rolling back is only not advancing it.
+
+    Args:
+      weights: the model weights.
+      cfg: the static model config.
+      tokens_bt: int32 token ids [B, T].
+      positions_bt: int32 rotary positions [B, T].
+      cache: the KV cache; its first `lengths[b]` slots of row b are attended to.
+      new_mask_btt: bool [B, T, T], which new tokens each new token attends to; causal when None.
+      tap_layers: ids of layers whose *input* residual stream is returned (EAGLE-3 taps).
+      logits_at: optional int32 [B, R] indices into T; logits are computed only there (e.g. the last prompt token).
+    Returns:
+      (logits [B, T or R, V] float32, taps [B, T, len(tap_layers) * D] or None, cache with the new KV written).
+    """
+    B, T = tokens_bt.shape
+    S = cache.k.shape[2]
+    if new_mask_btt is None:
+        new_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    cache_mask, new_mask = attention_mask(cfg, positions_bt, cache.lengths, S, new_mask_btt)
+    inv_freq = rope_inv_freq(cfg)
+    K, G = cfg.num_kv_heads, cfg.group_size
+    x_btd = weights.embed[tokens_bt]
+    eps = cfg.rms_norm_eps
+
+    taps0 = jnp.zeros((len(tap_layers), B, T, cfg.hidden_size), x_btd.dtype)
+
+    def layer(carry, xs):
+        x_btd, taps, i = carry
+        lw, k_cache, v_cache = xs
+        taps = jnp.stack([jnp.where(i == t, x_btd, taps[j]) for j, t in enumerate(tap_layers)]) if tap_layers else taps
+        h = rms_norm(x_btd, lw.attn_norm, eps)
+        q = jnp.einsum("btd,dnh->btnh", h, lw.q)
+        k = jnp.einsum("btd,dkh->btkh", h, lw.k)
+        v = jnp.einsum("btd,dkh->btkh", h, lw.v)
+        if lw.q_bias is not None:
+            q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
+        if lw.q_norm is not None:
+            q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+        q, k = apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq)
+        attn = _attend(q.reshape(B, T, K, G, -1), k_cache, v_cache, k, v, cache_mask, new_mask)
+        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn.reshape(B, T, cfg.num_heads, -1), lw.o)
+        h = rms_norm(x_btd, lw.mlp_norm, eps)
+        mlp = jax.nn.silu(jnp.einsum("btd,df->btf", h, lw.gate)) * jnp.einsum("btd,df->btf", h, lw.up)
+        x_btd = x_btd + jnp.einsum("btf,fd->btd", mlp, lw.down)
+        return (x_btd, taps, i + 1), (k, v)
+
+    (x_btd, taps, _), (k_new, v_new) = jax.lax.scan(
+        layer, (x_btd, taps0, jnp.int32(0)), (weights.layers, cache.k, cache.v)
+    )
+    cache = cache.write(k_new, v_new)
+    if logits_at is not None:
+        x_btd = jnp.take_along_axis(x_btd, logits_at[:, :, None], axis=1)
+    logits = lm_logits(weights, cfg, x_btd)
+    taps_out = jnp.moveaxis(taps, 0, 2).reshape(B, T, -1) if tap_layers else None
+    return logits, taps_out, cache
+
+
+def lm_logits(weights: Weights, cfg: ModelConfig, x_btd: jax.Array) -> jax.Array:
+    """Final norm and LM head (tied or untied), float32 logits [B, T, V]."""
+    h = rms_norm(x_btd, weights.final_norm, cfg.rms_norm_eps)
+    if weights.lm_head is None:
+        return jnp.einsum("btd,vd->btv", h, weights.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", h, weights.lm_head, preferred_element_type=jnp.float32)
