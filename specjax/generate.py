@@ -175,27 +175,32 @@ def generate(
         )
     args = (weights, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
     static = dict(cfg=cfg, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos)
+    compiled, compile_seconds = _compiled(decode, args, static)
     t0 = time.perf_counter()
-    compiled = _compiled(decode, args, static)
-    t1 = time.perf_counter()
     out, num_new = jax.device_get(compiled(*args))
-    t2 = time.perf_counter()
+    seconds = time.perf_counter() - t0
     completions = []
     for i, prompt in enumerate(prompts):
         ids = [int(t) for t in out[i, : num_new[i]]]
         reason = "stop" if ids and ids[-1] in eos else "length"
         completions.append(Completion(list(prompt), ids, reason))
-    return GenerateResult(completions, seconds=t2 - t1, compile_seconds=t1 - t0)
+    return GenerateResult(completions, seconds, compile_seconds)
 
 
 _EXECUTABLES: dict = {}
 
 
 def _compiled(fn, args, static: dict):
-    """AOT-compiles `fn` once per (static args, shapes, dtypes, shardings), so timing excludes compilation."""
+    """AOT-compiles `fn` once per (static args, shapes, dtypes, shardings), so timing excludes compilation.
+
+    Returns:
+      (executable, seconds spent tracing and compiling now: 0 when it was cached).
+    """
     leaves, treedef = jax.tree.flatten(args)
     signature = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
     key = (fn, treedef, signature, tuple(sorted(static.items())))
-    if key not in _EXECUTABLES:
-        _EXECUTABLES[key] = fn.lower(*args, **static).compile()
-    return _EXECUTABLES[key]
+    if key in _EXECUTABLES:
+        return _EXECUTABLES[key], 0.0
+    t0 = time.perf_counter()
+    _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+    return _EXECUTABLES[key], time.perf_counter() - t0

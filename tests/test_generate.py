@@ -1,0 +1,91 @@
+"""The autoregressive loop on a tiny random model: batching, stopping, compilation, and agreement with a plain loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import generate as gen
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.errors import InputError
+from specjax.kv_cache import KVCache
+from specjax.models.llama import forward, init_weights
+
+CFG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
+WEIGHTS = init_weights(CFG, jax.random.key(0), scale=0.3)
+PROMPTS = [[5, 6, 7], list(range(10, 31)), [42], [3, 9, 27, 17, 51, 25, 11]]
+
+
+@jax.jit
+def full_logits(ids_1t):
+    T = ids_1t.shape[1]
+    return forward(WEIGHTS, CFG, ids_1t, jnp.arange(T)[None], KVCache.empty(CFG, 1, T))[0][0]
+
+
+def naive_greedy(prompt, n):
+    """Recomputes the whole (right-padded, causal) sequence every step, no cache reuse: an independent reference."""
+    ids = list(prompt)
+    for _ in range(n):
+        padded = np.zeros((1, 64), np.int32)
+        padded[0, : len(ids)] = ids
+        ids.append(int(jnp.argmax(full_logits(jnp.asarray(padded))[len(ids) - 1])))
+    return ids[len(prompt) :]
+
+
+def test_greedy_matches_full_recomputation_and_rows_are_independent():
+    batched = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=12, eos_ids=())
+    for prompt, completion in zip(PROMPTS, batched.completions):
+        assert completion.output_ids == naive_greedy(prompt, 12)
+        alone = gen.generate(WEIGHTS, CFG, [prompt], max_new_tokens=12, eos_ids=())
+        assert alone.completions[0].output_ids == completion.output_ids
+        assert completion.finish_reason == "length"
+
+
+def test_rows_stop_at_eos_independently():
+    free = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=10, eos_ids=())
+    # Declare a token that some row emits mid-way an EOS: that row stops there, the others go on unchanged.
+    emitted = free.completions[1].output_ids
+    eos = emitted[3]
+    stopped = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=10, eos_ids=[eos])
+    for a, b in zip(free.completions, stopped.completions):
+        cut = a.output_ids.index(eos) + 1 if eos in a.output_ids else len(a.output_ids)
+        assert b.output_ids == a.output_ids[:cut]
+        assert b.finish_reason == ("stop" if eos in a.output_ids else "length")
+    assert len(stopped.completions[1].output_ids) <= 4
+
+
+def test_compiles_once_per_shape(monkeypatch):
+    traces = []
+    original = gen.prefill
+    monkeypatch.setattr(gen, "prefill", lambda *a, **k: traces.append(1) or original(*a, **k))
+    gen._EXECUTABLES.clear()
+    gen.decode.clear_cache()
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95)
+    first = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=6, sampling=sampling, seed=3)
+    second = gen.generate(WEIGHTS, CFG, PROMPTS[::-1], max_new_tokens=6, sampling=sampling, seed=3)
+    assert len(traces) == 1 and second.compile_seconds == 0
+    again = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=6, sampling=sampling, seed=3)
+    assert [c.output_ids for c in again.completions] == [c.output_ids for c in first.completions]
+    other_seed = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=6, sampling=sampling, seed=4)
+    assert [c.output_ids for c in other_seed.completions] != [c.output_ids for c in first.completions]
+
+
+def test_batch_padding_rows_do_not_change_results():
+    a = gen.generate(WEIGHTS, CFG, PROMPTS[:3], max_new_tokens=5, eos_ids=())
+    b = gen.generate(WEIGHTS, CFG, PROMPTS[:3], max_new_tokens=5, eos_ids=(), batch_size=8)
+    assert [c.output_ids for c in a.completions] == [c.output_ids for c in b.completions]
+
+
+def test_bad_input():
+    with pytest.raises(InputError, match="maximum length"):
+        gen.generate(WEIGHTS, CFG, [[2] * 100], max_new_tokens=40)
+    with pytest.raises(InputError, match="at least one token"):
+        gen.generate(WEIGHTS, CFG, [[]], max_new_tokens=4)
+    with pytest.raises(InputError, match="max_new_tokens"):
+        gen.generate(WEIGHTS, CFG, [[2]], max_new_tokens=0)
+
+
+def test_pack_prompts_buckets_to_powers_of_two():
+    tokens, lengths = gen.pack_prompts([[1] * 17, [2]], batch=3)
+    assert tokens.shape == (3, 32) and lengths.tolist() == [17, 1, 17]
+    assert np.all(tokens[1, 1:] == 0)

@@ -1,0 +1,65 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.config import SamplingConfig
+from specjax.errors import InputError
+from specjax.sampling import probabilities, process_logits, sample, top_k_mask, top_p_mask
+
+LOGITS = jnp.array([[2.0, 1.0, 0.5, -1.0, 3.0], [0.0, 0.0, 0.0, 0.0, 5.0]])
+
+
+def kept(x):
+    return np.isfinite(np.asarray(x)).tolist()
+
+
+def test_top_k_keeps_exactly_the_k_largest():
+    assert kept(top_k_mask(LOGITS, 2)) == [[True, False, False, False, True], [True, True, True, True, True]]
+    assert kept(top_k_mask(LOGITS[:1], 1)) == [[False, False, False, False, True]]
+    assert kept(top_k_mask(LOGITS, 0)) == [[True] * 5] * 2
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = np.asarray(jax.nn.softmax(LOGITS[0]))  # order: 4, 0, 1, 2, 3
+    order = np.argsort(-probs)
+    cum = np.cumsum(probs[order])
+    p = float(cum[1]) + 1e-3  # needs the third most likely token (index 1) to reach p
+    assert kept(top_p_mask(LOGITS[:1], p)) == [[True, True, False, False, True]]
+    p = float(cum[1]) - 1e-3  # two tokens suffice
+    assert kept(top_p_mask(LOGITS[:1], p)) == [[True, False, False, False, True]]
+    assert kept(top_p_mask(LOGITS[:1], 1e-6)) == [[False, False, False, False, True]]
+
+
+def test_temperature_then_top_k_then_top_p():
+    cfg = SamplingConfig(temperature=0.5, top_k=3, top_p=0.9)
+    expected = top_p_mask(top_k_mask(LOGITS / 0.5, 3), 0.9)
+    np.testing.assert_array_equal(process_logits(LOGITS, cfg), expected)
+    probs = probabilities(LOGITS, cfg)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-6)
+    assert (np.asarray(probs)[np.isinf(np.asarray(expected))] == 0).all()
+
+
+def test_greedy_is_argmax_and_sampling_is_reproducible():
+    assert sample(jax.random.key(0), LOGITS, SamplingConfig()).tolist() == [4, 4]
+    cfg = SamplingConfig(temperature=1.0)
+    logits = jnp.zeros((64, 50))
+    a = sample(jax.random.key(7), logits, cfg)
+    b = sample(jax.random.key(7), logits, cfg)
+    c = sample(jax.random.key(8), logits, cfg)
+    assert a.tolist() == b.tolist() and a.tolist() != c.tolist()
+
+
+def test_sampled_frequencies_follow_the_processed_distribution():
+    cfg = SamplingConfig(temperature=0.7, top_k=4)
+    logits = jnp.broadcast_to(LOGITS[0], (200_000, 5))
+    draws = np.asarray(sample(jax.random.key(1), logits, cfg))
+    freq = np.bincount(draws, minlength=5) / len(draws)
+    np.testing.assert_allclose(freq, np.asarray(probabilities(LOGITS[0], cfg)), atol=5e-3)
+    assert freq[3] == 0  # masked by top-k
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2)])
+def test_invalid_values_are_refused(kw):
+    with pytest.raises(InputError):
+        SamplingConfig(**kw)
