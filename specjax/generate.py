@@ -17,7 +17,7 @@ from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.sampling import sample
 
-MIN_PROMPT_BUCKET = 16
+PROMPT_BUCKET = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +51,8 @@ class DecodeState:
 
 
 def prompt_bucket(max_prompt_len: int) -> int:
-    """Prompts are right-padded to a power of two (at least 16), so similar lengths share one compilation."""
-    return max(MIN_PROMPT_BUCKET, 1 << (max_prompt_len - 1).bit_length())
+    """Prompts are right-padded to a multiple of 64, so similar lengths share one compilation."""
+    return -(-max_prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
 
 
 def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -85,7 +85,8 @@ def test_bad_input():
         gen.generate(WEIGHTS, CFG, [[2]], max_new_tokens=0)
 
 
-def test_pack_prompts_buckets_to_powers_of_two():
+def test_pack_prompts_buckets_to_multiples_of_64():
     tokens, lengths = gen.pack_prompts([[1] * 17, [2]], batch=3)
-    assert tokens.shape == (3, 32) and lengths.tolist() == [17, 1, 17]
+    assert tokens.shape == (3, 64) and lengths.tolist() == [17, 1, 17]
+    assert gen.pack_prompts([[1] * 65], batch=1)[0].shape == (1, 128)
     assert np.all(tokens[1, 1:] == 0)

