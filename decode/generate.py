@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from decode import cli
 from specjax.generate import generate
@@ -36,9 +36,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = []
     for start, group in zip(range(0, len(prompts), batch_size), cli.batches(prompt_ids, batch_size)):
         out = generate(
-            model.weights, model.cfg, group, max_new_tokens=args.max_new_tokens, sampling=sampling,
-            seed=args.seed + start, eos_ids=eos, batch_size=batch_size,
-        )  # fmt: skip
+            model.weights,
+            model.cfg,
+            group,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            seed=args.seed + start,
+            eos_ids=eos,
+            batch_size=batch_size,
+        )
         if out.compile_seconds:
             print(f"[compiled in {out.compile_seconds:.1f} s]", file=sys.stderr)
         for i, c in enumerate(out.completions):
@@ -64,10 +70,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                 )
     if args.json_out:
         config = {
-            "model": args.model, "source": model.source, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-            "batch_size": batch_size, "raw": args.raw,
-        }  # fmt: skip
+            "model": args.model,
+            "source": model.source,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+            "seed": args.seed,
+            "batch_size": batch_size,
+            "raw": args.raw,
+        }
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump({"config": config, "results": results}, f, indent=1, ensure_ascii=False)
         print(f"wrote {len(results)} results to {args.json_out}", file=sys.stderr)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from specjax.errors import InputError, UnsupportedModelError
+from specjax.errors import CheckpointError, InputError, UnsupportedModelError
 
 # HF `model_type` -> the features that family uses. Everything else is read from config.json.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -99,6 +100,8 @@ class ModelConfig:
             )
         except KeyError as e:
             raise UnsupportedModelError(f"config.json lacks the required field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"config.json has a malformed field ({e}); fix or re-download it") from None
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict of this config (inverse of `from_hf`)."""

@@ -8,7 +8,7 @@ same array, is replicated instead, so one rule table serves every model size.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -48,9 +48,7 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     return Mesh(np.array(devices).reshape(tuple(sizes.values())), tuple(sizes))
 
 
-def partition_spec(
-    axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES
-) -> PartitionSpec:
+def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> PartitionSpec:
     """The PartitionSpec of an array with these logical axes on `mesh`."""
     table = dict(rules)
     used: set[str] = set()

@@ -1,4 +1,33 @@
 import os
 
-# Tests run on the CPU in float32; XLA must not grab all cores' worth of threads per process beyond what is there.
+import pytest
+
+# Tests run on the CPU, in float32.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct, converted once into the user cache and loaded from there."""
+    from specjax.io.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own GGUF conversion of the same file (what from_pretrained(gguf_file=...) does, minus its
+    accelerate requirement), as a float32 PyTorch model: an independent dequantization and un-permutation."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from specjax.io.models import embedded_gguf
+
+    path = embedded_gguf("smollm2-135m")
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # lm_head is tied to the embedding
+    return model.eval()

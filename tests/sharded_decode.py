@@ -6,15 +6,15 @@ import sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from specjax.config import ModelConfig  # noqa: E402
-from specjax.generate import generate  # noqa: E402
-from specjax.kv_cache import KVCache  # noqa: E402
-from specjax.models.llama import forward, init_weights  # noqa: E402
-from specjax.sharding import make_mesh, shard_weights  # noqa: E402
+from specjax.config import ModelConfig
+from specjax.generate import generate
+from specjax.kv_cache import KVCache
+from specjax.models.llama import forward, init_weights
+from specjax.sharding import make_mesh, shard_weights
 
 
 def main(mesh_axes: dict[str, int]) -> None:

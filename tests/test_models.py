@@ -12,9 +12,15 @@ from specjax.kv_cache import KVCache
 from specjax.models.llama import forward, weights_from_hf, weights_to_hf
 
 TINY = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-)  # fmt: skip
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, dict(rope_theta=10000.0)),
@@ -23,10 +29,15 @@ ARCHITECTURES = {
         transformers.LlamaConfig,
         dict(
             rope_theta=500000.0,
-            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                              original_max_position_embeddings=16),
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
         ),
-    ),  # fmt: skip
+    ),
     "smollm2-tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True, rope_theta=100000.0)),
     "mistral-sliding-window": (transformers.MistralConfig, dict(sliding_window=5, head_dim=16)),
     "qwen2-bias": (transformers.Qwen2Config, dict(tie_word_embeddings=True, use_sliding_window=False)),
@@ -90,7 +101,9 @@ def test_taps_are_the_residual_stream_entering_layers():
     ids = np.arange(8)[None] % cfg.vocab_size
     with torch.no_grad():
         hidden = model(torch.tensor(ids), output_hidden_states=True).hidden_states  # [embeddings, layer 0 out, ...]
-    _, taps, _ = forward(weights, cfg, jnp.asarray(ids), jnp.arange(8)[None], KVCache.empty(cfg, 1, 8), tap_layers=(0, 2))
+    _, taps, _ = forward(
+        weights, cfg, jnp.asarray(ids), jnp.arange(8)[None], KVCache.empty(cfg, 1, 8), tap_layers=(0, 2)
+    )
     expected = np.concatenate([hidden[0].numpy(), hidden[2].numpy()], axis=-1)
     assert rel_err(taps, expected) <= 1e-5
 

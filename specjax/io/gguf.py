@@ -105,12 +105,13 @@ def converted_folder(path: str | os.PathLike) -> Path:
 def _open(path: Path) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 -- the reader fails in many ways (ValueError, IndexError...) on bad bytes
+    except Exception as e:
         raise CheckpointError(f"{path} is not a readable GGUF file ({_one_line(e)}); re-download it") from None
 
 
 def _one_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    first = str(e).partition("\n")[0]
+    return f"{type(e).__name__}: {first}"
 
 
 def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -127,7 +128,7 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
 def _metadata(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
     try:
         return {key: field.contents() for key, field in reader.fields.items()}
-    except Exception as e:  # noqa: BLE001 -- as in _open
+    except Exception as e:
         raise CheckpointError(f"{path}: unreadable GGUF metadata ({_one_line(e)}); re-download it") from None
 
 
@@ -199,8 +200,13 @@ def _decimal(x: float) -> float:
 
 def _llama3_scaling(hf: dict[str, Any], divisors: np.ndarray) -> dict[str, Any]:
     """The llama3 `rope_scaling` whose frequencies match llama.cpp's `rope_freqs` divisors, or UnsupportedModelError."""
-    scaling = {"rope_type": "llama3", "factor": float(divisors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}  # fmt: skip
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(divisors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     plain = rope_inv_freq(ModelConfig.from_hf({**hf, "rope_scaling": None}))
     scaled = rope_inv_freq(ModelConfig.from_hf({**hf, "rope_scaling": scaling}))
     if divisors.shape != plain.shape or not np.allclose(scaled, plain / divisors, rtol=1e-4):

@@ -1,4 +1,4 @@
-"""Tokenizer: the HF `tokenizers` library plus a sandboxed jinja2 chat template, built from a folder or GGUF metadata."""
+"""Tokenizer: HF `tokenizers` plus a sandboxed jinja2 chat template, built from a folder or GGUF metadata."""
 
 from __future__ import annotations
 
@@ -16,9 +16,13 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
+from specjax.io.hf import read_json
 
 # Split regexes of the byte-level BPE vocabularies, keyed by the llama.cpp `tokenizer.ggml.pre` names that use them.
-_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -60,16 +64,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {path} ({e}); re-download the tokenizer files") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not a JSON object; re-download the tokenizer files")
-    return data
 
 
 class Tokenizer:
@@ -116,9 +110,10 @@ class Tokenizer:
             raise CheckpointError(f"{folder} has no tokenizer.json; copy the model's tokenizer files into it")
         try:
             backend = Backend.from_file(str(path))
-        except Exception as e:  # noqa: BLE001 -- the Rust library raises plain Exception on a malformed file
-            raise CheckpointError(f"cannot parse {path} ({str(e).splitlines()[0]}); re-download it") from None
-        config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+        except Exception as e:
+            reason = str(e).partition("\n")[0]
+            raise CheckpointError(f"cannot parse {path} ({reason}); re-download it") from None
+        config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": ..., "template": ...}]: the "default" one is the chat template
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
@@ -126,7 +121,7 @@ class Tokenizer:
             template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         extra: list[int] = []
         if (folder / "generation_config.json").is_file():
-            eos = _read_json(folder / "generation_config.json").get("eos_token_id")
+            eos = read_json(folder / "generation_config.json").get("eos_token_id")
             extra = [int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos])]
         return cls(
             backend,

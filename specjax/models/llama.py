@@ -8,7 +8,7 @@ G query heads per kv head, H head dim, F MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,9 +60,14 @@ class ArraySpec:
 def weight_specs(cfg: ModelConfig) -> Weights:
     """The abstract weights of `cfg`: a Weights pytree whose leaves are ArraySpecs."""
     L, D, N, K, H, F, V = (
-        cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
         cfg.vocab_size,
-    )  # fmt: skip
+    )
     bias = cfg.attention_bias
     layers = LayerWeights(
         attn_norm=ArraySpec((L, D), ("layers", "embed")),
@@ -112,10 +117,16 @@ def init_weights(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: flo
 def hf_tensor_names(cfg: ModelConfig) -> list[str]:
     """The HF tensor names a checkpoint of `cfg` must contain."""
     per_layer = [
-        "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "input_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
         "mlp.down_proj.weight",
-    ]  # fmt: skip
+    ]
     if cfg.attention_bias:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if cfg.qk_norm:

@@ -1,0 +1,153 @@
+"""specjax-generate end to end: JSON output, and one clear line with exit code 2 for every kind of bad input."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from decode.generate import entry
+from specjax.config import ModelConfig
+from specjax.io.hf import save_hf
+from specjax.io.models import embedded_gguf
+from specjax.io.tokenizer import Tokenizer
+from specjax.models.llama import init_weights
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, smollm2):
+    """A tiny random llama with SmolLM2's tokenizer and a 96-token maximum length."""
+    folder = tmp_path_factory.mktemp("tiny")
+    tokenizer = smollm2.tokenizer
+    cfg = ModelConfig("llama", tokenizer.vocab_size, 16, 32, 2, 2, 1, 8, max_position_embeddings=96, eos_token_ids=(2,))
+    save_hf(folder, cfg, init_weights(cfg, jax.random.key(0)))
+    tokenizer.to_folder(folder)
+    return folder
+
+
+def run_cli(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        entry(list(argv))
+    err = capsys.readouterr().err.strip()
+    return exit_info.value.code, err
+
+
+def test_json_output(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello there", "id": 1}\n\n{"prompt": "Count to three."}\n')
+    entry(
+        [
+            "--model",
+            str(tiny_folder),
+            "--prompt",
+            "Hi",
+            "--prompts-file",
+            str(prompts),
+            "--max-new-tokens",
+            "5",
+            "--json",
+            str(out),
+            "--batch-size",
+            "2",
+        ]
+    )
+    data = json.loads(out.read_text())
+    assert data["config"]["max_new_tokens"] == 5 and data["config"]["batch_size"] == 2
+    assert [r["prompt"] for r in data["results"]] == ["Hi", "Hello there", "Count to three."]
+    for r in data["results"]:
+        assert 1 <= len(r["output_ids"]) <= 5 and r["finish_reason"] in ("stop", "length")
+        assert r["prompt_ids"][0] == 1  # the chat template's <|im_start|>
+        assert r["stats"]["new_tokens"] == len(r["output_ids"]) and r["stats"]["tokens_per_s"] > 0
+        assert r["finish_reason"] == ("stop" if r["output_ids"][-1] == 2 else "length")
+
+
+def test_raw_prompt_skips_the_chat_template(tiny_folder, tmp_path):
+    out = tmp_path / "raw.json"
+    entry(["--model", str(tiny_folder), "--raw", "--prompt", "def f(x):", "--max-new-tokens", "2", "--json", str(out)])
+    result = json.loads(out.read_text())["results"][0]
+    assert result["prompt_ids"] == Tokenizer.from_folder(tiny_folder).encode("def f(x):")
+
+
+def write_corrupt_safetensors(folder, tiny_folder):
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny_folder / "config.json").read_text())
+    data = (tiny_folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+BAD = {
+    "missing path": (lambda tmp, tiny: ["--model", str(tmp / "nope")], "nope"),
+    "no config.json": (lambda tmp, tiny: ["--model", str(tmp)], "config.json"),
+    "unsupported model_type": (
+        lambda tmp, tiny: (
+            tmp.joinpath("config.json").write_text(json.dumps({"model_type": "gpt_neox"})),
+            ["--model", str(tmp)],
+        )[1],
+        "gpt_neox",
+    ),
+    "truncated safetensors": (
+        lambda tmp, tiny: (write_corrupt_safetensors(tmp / "m", tiny), ["--model", str(tmp / "m")])[1],
+        "safetensors",
+    ),
+    "truncated gguf": (
+        lambda tmp, tiny: (
+            tmp.joinpath("m.gguf").write_bytes(embedded_gguf("smollm2-135m").read_bytes()[:100_000]),
+            ["--model", str(tmp / "m.gguf")],
+        )[1],
+        "gguf",
+    ),
+    "prompt too long": (lambda tmp, tiny: ["--model", str(tiny), "--prompt", "word " * 200], "maximum length"),
+    "negative temperature": (lambda tmp, tiny: ["--model", str(tiny), "--temperature", "-1"], "temperature"),
+    "top-p 0": (lambda tmp, tiny: ["--model", str(tiny), "--top-p", "0"], "top_p"),
+    "top-p 1.5": (lambda tmp, tiny: ["--model", str(tiny), "--top-p", "1.5"], "top_p"),
+    "missing prompts file": (
+        lambda tmp, tiny: ["--model", str(tiny), "--prompts-file", str(tmp / "x.jsonl")],
+        "x.jsonl",
+    ),
+    "prompts file without prompt field": (
+        lambda tmp, tiny: (
+            tmp.joinpath("p.jsonl").write_text('{"text": "hi"}\n'),
+            ["--model", str(tiny), "--prompts-file", str(tmp / "p.jsonl")],
+        )[1],
+        "prompt",
+    ),
+    "zero new tokens": (lambda tmp, tiny: ["--model", str(tiny), "--max-new-tokens", "0"], "max-new-tokens"),
+    "unknown flag": (lambda tmp, tiny: ["--model", str(tiny), "--frobnicate"], "frobnicate"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line_and_exit_2(case, tiny_folder, tmp_path, capsys):
+    make_argv, needle = BAD[case]
+    code, err = run_cli(capsys, *make_argv(tmp_path, tiny_folder))
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("specjax-generate: error:") and needle.lower() in err.lower(), err
+
+
+def test_outputs_are_reproducible_with_a_seed(tiny_folder, tmp_path):
+    runs = []
+    for name in ("a", "b", "c"):
+        seed = "1" if name != "c" else "2"
+        entry(
+            [
+                "--model",
+                str(tiny_folder),
+                "--prompt",
+                "Tell me a story",
+                "--temperature",
+                "1.0",
+                "--top-k",
+                "50",
+                "--seed",
+                seed,
+                "--max-new-tokens",
+                "12",
+                "--json",
+                str(tmp_path / name),
+            ]
+        )
+        runs.append(json.loads((tmp_path / name).read_text())["results"][0]["output_ids"])
+    assert runs[0] == runs[1] != runs[2]
+    assert np.all(np.array(runs[0]) < Tokenizer.from_folder(tiny_folder).vocab_size)
