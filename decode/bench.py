@@ -13,13 +13,15 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from tqdm import tqdm
 
 from decode import cli
+from specjax import speculative
 from specjax.config import SamplingConfig
+from specjax.drafters import LayerSkipDrafter, NgramDrafter
 from specjax.errors import InputError
 from specjax.generate import generate
 from specjax.io.models import LoadedModel, load_model
@@ -33,10 +35,12 @@ class ModeRun:
     outputs: list[list[int]]  # generated ids per prompt
     batch_seconds: list[float]
     batch_tokens: list[int]
+    accepted: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (mean accepted, rounds) per batch
 
     def summary(self, ar: ModeRun | None, greedy: bool) -> dict:
         rates = [n / s for n, s in zip(self.batch_tokens, self.batch_seconds)]
         total_tokens, total_seconds = sum(self.batch_tokens), sum(self.batch_seconds)
+        rounds = sum(r for _, r in self.accepted)  # speculative modes: weight each batch's mean by its rounds
         tokens_per_s = statistics.median(rates)
         ar_rate = statistics.median(n / s for n, s in zip(ar.batch_tokens, ar.batch_seconds)) if ar else None
         return {
@@ -44,7 +48,7 @@ class ModeRun:
             "tokens_per_s": tokens_per_s,
             "total_tokens": total_tokens,
             "total_seconds": total_seconds,
-            "mean_accepted": None,
+            "mean_accepted": sum(m * r for m, r in self.accepted) / rounds if rounds else None,
             "speedup_vs_ar": tokens_per_s / ar_rate if ar_rate else None,
             "identical_to_ar": (self.outputs == ar.outputs) if (ar and greedy) else None,
         }
@@ -108,14 +112,45 @@ def hf_generate(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ..
     return run
 
 
-MODES: dict[str, Callable[..., Runner]] = {"ar": specjax_ar, "hf": hf_generate}
+def specjax_speculative(kind: str) -> Callable[..., Runner]:
+    """Speculative decoding with a drafter; the runner also returns (mean accepted tokens per round, rounds)."""
+
+    def factory(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int, **options):
+        k = options.get("num_draft_tokens", 5)
+        if kind == "ngram":
+            drafter = NgramDrafter(max_n=options.get("ngram", 3))
+        else:
+            layers = options.get("draft_layers") or max(1, model.cfg.num_layers // 4)
+            drafter = LayerSkipDrafter(model.weights, model.cfg, layers)
+        speculative.check_inputs(model.cfg, drafter, k)
+
+        def run(group, max_new_tokens, seed):
+            out = speculative.generate(
+                model.weights, model.cfg, group, drafter=drafter, num_draft_tokens=k, max_new_tokens=max_new_tokens,
+                sampling=sampling, seed=seed, eos_ids=eos, batch_size=batch_size,
+            )  # fmt: skip
+            return [c.output_ids for c in out.completions], out.seconds, (out.stats.mean_accepted, out.stats.rounds)
+
+        return run
+
+    return factory
+
+
+MODES: dict[str, Callable[..., Runner]] = {
+    "ar": specjax_ar,
+    "hf": hf_generate,
+    "ngram": specjax_speculative("ngram"),
+    "layerskip": specjax_speculative("layerskip"),
+}
+SPECULATIVE_MODES = ("ngram", "layerskip")
 
 
 def measure(mode: str, runner: Runner, groups, max_new_tokens: int, seed: int) -> ModeRun:
     runner(groups[0], 4, seed)  # warm-up: compilation, allocator, thread pools
     run = ModeRun(mode, [], [], [])
     for i, group in enumerate(tqdm(groups, desc=mode, file=sys.stderr, leave=False)):
-        outputs, seconds = runner(group, max_new_tokens, seed + i)
+        outputs, seconds, *accepted = runner(group, max_new_tokens, seed + i)
+        run.accepted += accepted
         run.outputs += outputs
         run.batch_seconds.append(seconds)
         run.batch_tokens.append(sum(map(len, outputs)))
@@ -123,8 +158,8 @@ def measure(mode: str, runner: Runner, groups, max_new_tokens: int, seed: int) -
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
-    def fmt(x, spec):
-        return "–" if x is None else format(x, spec)
+    def fmt(x, suffix=""):
+        return "–" if x is None else f"{x:.2f}{suffix}"
 
     lines = [
         "| mode | tokens/s (median) | speedup vs ar | mean accepted | identical to ar |",
@@ -133,8 +168,8 @@ def markdown_table(rows: Sequence[dict]) -> str:
     for r in rows:
         same = {None: "–", True: "yes", False: "no"}[r["identical_to_ar"]]
         lines.append(
-            f"| {r['mode']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'], '.2f')}x | "
-            f"{fmt(r['mean_accepted'], '.2f')} | {same} |"
+            f"| {r['mode']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'], 'x')} | "
+            f"{fmt(r['mean_accepted'])} | {same} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -165,6 +200,9 @@ def parser() -> cli.ArgumentParser:
     cli.add_model_args(p)
     cli.add_sampling_args(p)
     p.add_argument("--modes", default="ar,hf", help=f"comma-separated, from: {', '.join(MODES)}")
+    p.add_argument("--num-draft-tokens", type=int, default=5, help="K for the speculative modes")
+    p.add_argument("--ngram", type=int, default=3, help="longest n-gram the ngram mode matches")
+    p.add_argument("--draft-layers", type=int, default=None, help="layers of the layerskip drafter (default L/4)")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--out-dir", type=Path, default=Path("bench_out"), help="where the JSON, table and plot go")
     p.add_argument("--json", dest="json_out", type=Path, help="JSON path (default OUT_DIR/bench.json)")
@@ -194,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     runs = {}
     for mode in modes:
-        runner = MODES[mode](model, sampling, eos, batch_size)
+        options = dict(num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, draft_layers=args.draft_layers)
+        runner = MODES[mode](model, sampling, eos, batch_size, **(options if mode in SPECULATIVE_MODES else {}))
         runs[mode] = measure(mode, runner, groups, args.max_new_tokens, args.seed)
     ar = runs.get("ar")
     rows = [runs[m].summary(ar, sampling.greedy) for m in modes]

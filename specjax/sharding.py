@@ -48,17 +48,26 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     return Mesh(np.array(devices).reshape(tuple(sizes.values())), tuple(sizes))
 
 
-def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> PartitionSpec:
-    """The PartitionSpec of an array with these logical axes on `mesh`."""
+def partition_spec(
+    axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES
+) -> PartitionSpec:
+    """The PartitionSpec of an array with these logical axes on `mesh`.
+
+    A rule maps a logical axis to one mesh axis or a tuple of them (e.g. batch over ("data", "fsdp")).
+    """
     table = dict(rules)
     used: set[str] = set()
     spec = []
     for name, dim in zip(axes, shape):
-        mesh_axis = table.get(name)
-        ok = mesh_axis in mesh.shape and mesh_axis not in used and dim % mesh.shape[mesh_axis] == 0
-        spec.append(mesh_axis if ok else None)
-        if ok:
-            used.add(mesh_axis)
+        target = table.get(name)
+        mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        present = tuple(a for a in mesh_axes if a in mesh.shape and a not in used)
+        size = math.prod(mesh.shape[a] for a in present)
+        if present and dim % size == 0:
+            spec.append(present[0] if len(present) == 1 else present)
+            used.update(present)
+        else:
+            spec.append(None)
     return PartitionSpec(*spec)
 
 

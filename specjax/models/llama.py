@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig
+from specjax.config import ModelConfig, RopeScaling
 from specjax.errors import CheckpointError
 from specjax.kv_cache import KVCache
 
@@ -238,8 +239,22 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale * normed.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse rotary frequencies [H/2], with llama3 / linear scaling applied."""
+class RopeFields(Protocol):
+    """What `rope_inv_freq` reads: ModelConfig and the EAGLE-3 head's Eagle3Config both have these fields."""
+
+    head_dim: int
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+
+
+def rope_inv_freq(cfg: RopeFields) -> np.ndarray:
+    """Inverse rotary frequencies [H/2], with llama3 / linear scaling applied.
+
+    Args:
+      cfg: any config with head_dim, rope_theta and rope_scaling (ModelConfig, Eagle3Config).
+    Returns:
+      float32 numpy [head_dim / 2].
+    """
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
     rs = cfg.rope_scaling
     if rs is None:
@@ -290,8 +305,18 @@ def attention_mask(
     return cache_mask, new_mask
 
 
-def _attend(q_btkgh, k_cache_bskh, v_cache_bskh, k_new_btkh, v_new_btkh, cache_mask_bts, new_mask_btt):
-    """Softmax attention over the valid cache slots and the new tokens, without concatenating either."""
+def attend(q_btkgh, k_cache_bskh, v_cache_bskh, k_new_btkh, v_new_btkh, cache_mask_bts, new_mask_btt):
+    """Softmax attention over the valid cache slots and the new tokens, without concatenating either.
+
+    Args:
+      q_btkgh: queries [B, T, K, G, H], rotary already applied.
+      k_cache_bskh, v_cache_bskh: one layer's cached keys/values [B, S, K, H].
+      k_new_btkh, v_new_btkh: the new tokens' keys/values [B, T, K, H].
+      cache_mask_bts: bool [B, T, S], which cache slots each query sees.
+      new_mask_btt: bool [B, T, T], which new tokens each query sees.
+    Returns:
+      [B, T, K, G, H] in the dtype of the values; scores and softmax in float32.
+    """
     scale = q_btkgh.shape[-1] ** -0.5
     neg = jnp.finfo(jnp.float32).min
     s_cache = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_cache_bskh, preferred_element_type=jnp.float32) * scale
@@ -358,7 +383,7 @@ def forward(
         if lw.q_norm is not None:
             q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
         q, k = apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq)
-        attn = _attend(q.reshape(B, T, K, G, -1), k_cache, v_cache, k, v, cache_mask, new_mask)
+        attn = attend(q.reshape(B, T, K, G, -1), k_cache, v_cache, k, v, cache_mask, new_mask)
         x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn.reshape(B, T, cfg.num_heads, -1), lw.o)
         h = rms_norm(x_btd, lw.mlp_norm, eps)
         mlp = jax.nn.silu(jnp.einsum("btd,df->btf", h, lw.gate)) * jnp.einsum("btd,df->btf", h, lw.up)

@@ -1,0 +1,519 @@
+"""EAGLE-3 draft head: one Llama decoder layer over [embedding, fused target features], as a Flax NNX module.
+
+The head follows `LlamaForCausalLMEagle3` (EAGLE3.md sections 1-3): `fc` fuses the residual streams of three target
+layers into g [H]; the single "midlayer" attends with a 2H-wide input concat[input_layernorm(embed), hidden_norm(g)],
+keeps the *raw* g as its residual, and its pre-norm output is fed back as g at the next draft step; `norm` and a
+reduced-vocabulary `lm_head` give draft logits over Vd tokens, mapped to target ids by `target = draft + d2t[draft]`.
+
+Every method works in fixed shapes and is jit-friendly: split the module with `nnx.split` outside a jit and
+`nnx.merge` it inside (e.g. a `lax.while_loop` body). The layer math lives in `qkv` / `finish` / `logits`, so the
+cached inference `step` and a full-sequence training (TTT) path share it.
+
+Shape letters: B batch, T new rows, S cache slots, D head hidden size (H in EAGLE3.md), N query heads, K kv heads,
+G query heads per kv head, Hd head dim, F MLP width, V target vocabulary, Vd draft vocabulary.
+
+Tap layers (specjax convention): the ids of the target layers whose *input* residual stream is tapped, i.e. what
+`llama.forward(..., tap_layers=cfg.tap_layers)` returns. The default for an N-layer target is (2, N//2, N-3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.config import ModelConfig, RopeScaling, _rope_scaling
+from specjax.errors import CheckpointError, InputError, UnsupportedModelError
+from specjax.kv_cache import KVCache
+from specjax.models.llama import ArraySpec, apply_rope, attend, rms_norm, rope_inv_freq
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def default_tap_layers(num_target_layers: int) -> tuple[int, int, int]:
+    """The EAGLE-3 default taps of an N-layer target: the inputs of layers 2, N//2 and N-3 (EAGLE3.md section 1)."""
+    n = num_target_layers
+    return (2, n // 2, n - 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    """Shape and numerics of an EAGLE-3 draft head, plus the target features it reads.
+
+    `tap_layers` are ids of target layers whose INPUT residual stream is tapped (specjax convention; SGLang's
+    `eagle_config.eagle_aux_hidden_state_layer_ids` are these minus 1). None means the default for the target depth.
+    `target_hidden_size` None means `hidden_size`. RoPE uses the head's own `rope_theta` / `rope_scaling`; the rotary
+    angles are computed from positions, never from a table sized by `max_position_embeddings`.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # V, the target vocabulary
+    draft_vocab_size: int  # Vd
+    target_num_layers: int  # depth of the target the head was trained for (fixes the default tap layers)
+    target_hidden_size: int | None = None  # Ht; None -> hidden_size
+    tap_layers: tuple[int, ...] | None = None  # None -> default_tap_layers(target_num_layers)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.target_hidden_size is None:
+            object.__setattr__(self, "target_hidden_size", self.hidden_size)
+        taps = default_tap_layers(self.target_num_layers) if self.tap_layers is None else tuple(self.tap_layers)
+        object.__setattr__(self, "tap_layers", tuple(int(t) for t in taps))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"EAGLE-3 head: num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise InputError(
+                f"EAGLE-3 head: draft_vocab_size={self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}"
+            )
+        bad = [t for t in self.tap_layers if not 0 <= t < self.target_num_layers]
+        if not self.tap_layers or bad:
+            raise InputError(
+                f"EAGLE-3 tap layers {list(self.tap_layers)} must be non-empty ids of target layers "
+                f"0..{self.target_num_layers - 1} (inputs of those layers); the head was made for another target"
+            )
+
+    # KVCache.empty and rope_inv_freq read these by name.
+    @property
+    def num_layers(self) -> int:
+        """The head has one decoder layer; its KV cache has L = 1."""
+        return 1
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def fc_in_features(self) -> int:
+        """Width of the concatenated target taps fed to fc (3 * Ht for the standard head)."""
+        return len(self.tap_layers) * self.target_hidden_size
+
+    @property
+    def needs_own_embedding(self) -> bool:
+        """A head narrower or wider than its target cannot share the target's embedding."""
+        return self.target_hidden_size != self.hidden_size
+
+    @classmethod
+    def default_for(cls, target_cfg: ModelConfig, draft_vocab_size: int | None = None) -> Eagle3Config:
+        """A head shaped like one layer of the target (width, heads, MLP, RoPE), with the default tap layers.
+
+        Args:
+          target_cfg: the target model's config.
+          draft_vocab_size: Vd; None keeps the full target vocabulary.
+        Returns:
+          The head config.
+        """
+        t = target_cfg
+        return cls(
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_heads=t.num_heads,
+            num_kv_heads=t.num_kv_heads,
+            head_dim=t.head_dim,
+            vocab_size=t.vocab_size,
+            draft_vocab_size=t.vocab_size if draft_vocab_size is None else draft_vocab_size,
+            target_num_layers=t.num_layers,
+            rms_norm_eps=t.rms_norm_eps,
+            rope_theta=t.rope_theta,
+            rope_scaling=t.rope_scaling,
+            max_position_embeddings=t.max_position_embeddings,
+            bos_token_id=t.bos_token_id,
+            eos_token_ids=t.eos_token_ids,
+        )
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], target_cfg: ModelConfig) -> Eagle3Config:
+        """Reads a `LlamaForCausalLMEagle3` config.json dict and checks it against the target.
+
+        Aux layer ids are read from top-level `eagle_aux_hidden_state_layer_ids` (vLLM: inputs of layers, used as
+        they are) or `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang: outputs of layers, so +1). When both
+        are present and disagree, the SGLang ids win (the convention SpecForge trains with) and a warning is issued.
+
+        Args:
+          hf: the parsed config.json of the head.
+          target_cfg: the config of the target model the head will draft for.
+        Returns:
+          The config. Raises UnsupportedModelError for a head specjax cannot run and CheckpointError for a head made
+          for another target or a malformed config.
+        """
+        arch = hf.get("architectures") or []
+        if arch and not any("eagle3" in str(a).lower() for a in arch):
+            raise UnsupportedModelError(
+                f"config.json describes {arch}, not an EAGLE-3 head ({ARCHITECTURE}); point at an EAGLE-3 draft head"
+            )
+        for flag in ("fc_norm", "norm_output", "norm_before_residual", "attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise UnsupportedModelError(f"EAGLE-3 head option {flag}=true is not supported; use a standard head")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"EAGLE-3 head hidden_act={hf['hidden_act']!r} is not supported; need silu")
+        n_target = target_cfg.num_layers
+        try:
+            layers = int(hf.get("num_hidden_layers", 1))
+            if layers != 1:
+                raise UnsupportedModelError(
+                    f"EAGLE-3 head config has num_hidden_layers={layers}; specjax runs single-layer heads only"
+                )
+            hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+            vocab = int(hf["vocab_size"])
+            taps = _read_tap_layers(hf)
+            eos = hf.get("eos_token_id")
+            rope_params = hf.get("rope_parameters") or {}
+            cfg = cls(
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+                vocab_size=vocab,
+                draft_vocab_size=int(hf.get("draft_vocab_size") or vocab),
+                target_num_layers=n_target,
+                target_hidden_size=int(hf.get("target_hidden_size") or hidden),
+                tap_layers=taps,
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+                rope_scaling=_rope_scaling(hf.get("rope_scaling") or rope_params),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"EAGLE-3 head config.json lacks the required field {e.args[0]!r}") from None
+        except InputError as e:
+            raise CheckpointError(str(e)) from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"EAGLE-3 head config.json has a malformed field ({e}); fix it") from None
+        if cfg.target_hidden_size != target_cfg.hidden_size:
+            raise CheckpointError(
+                f"EAGLE-3 head reads target features of width {cfg.target_hidden_size} but the target's hidden size "
+                f"is {target_cfg.hidden_size}; use the head trained for this target model"
+            )
+        if cfg.vocab_size != target_cfg.vocab_size:
+            raise CheckpointError(
+                f"EAGLE-3 head has vocab_size {cfg.vocab_size} but the target's vocabulary has "
+                f"{target_cfg.vocab_size} tokens; use the head trained for this target model"
+            )
+        return cfg
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `LlamaForCausalLMEagle3` config.json dict (inverse of `from_hf`).
+
+        `target_hidden_size` is written only when it differs from `hidden_size` (EAGLE skips sharing the target's
+        embedding when it is set); aux layer ids only when they differ from the default, and then in both the vLLM
+        (top-level, inputs of layers) and the SGLang (`eagle_config`, outputs of layers) conventions.
+        """
+        hf: dict[str, Any] = {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "num_hidden_layers": 1,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        if self.rope_scaling is not None:
+            hf["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+        if self.target_hidden_size != self.hidden_size:
+            hf["target_hidden_size"] = self.target_hidden_size
+        if self.tap_layers != default_tap_layers(self.target_num_layers):
+            hf["eagle_aux_hidden_state_layer_ids"] = list(self.tap_layers)
+            hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in self.tap_layers]}
+        return hf
+
+
+def _read_tap_layers(hf: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """Tap ids in the specjax convention (inputs of layers) from either engine's field, or None for the default."""
+    top = hf.get("eagle_aux_hidden_state_layer_ids")
+    nested = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    from_top = None if top is None else tuple(int(t) for t in top)
+    from_nested = None if nested is None else tuple(int(t) + 1 for t in nested)
+    if from_nested is not None:
+        if from_top is not None and from_top != from_nested:
+            warnings.warn(
+                f"EAGLE-3 head config: eagle_config aux layer ids {list(nested)} (outputs of layers) disagree with "
+                f"top-level eagle_aux_hidden_state_layer_ids {list(top)} (inputs of layers); tapping the inputs of "
+                f"layers {list(from_nested)}",
+                stacklevel=3,
+            )
+        return from_nested
+    return from_top
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Module.
+
+
+class VocabMap(nnx.Variable):
+    """A non-trainable vocabulary buffer: d2t (int32 offsets [Vd]) or t2d (bool membership [V])."""
+
+
+class FrozenEmbedding(nnx.Variable):
+    """The head's own token embedding [V, D]: frozen, as in EAGLE; present only when the target's cannot be shared."""
+
+
+def param_specs(cfg: Eagle3Config) -> dict[str, ArraySpec]:
+    """Shapes and logical axes of the trainable weights (JAX layout: inputs first). Drives init and loading."""
+    D, F, N, K, Hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return {
+        "fc": ArraySpec((cfg.fc_in_features, D), ("taps", "embed")),
+        "input_norm": ArraySpec((D,), ("embed",)),
+        "hidden_norm": ArraySpec((D,), ("embed",)),
+        "q": ArraySpec((2 * D, N, Hd), ("embed2", "heads", "head_dim")),
+        "k": ArraySpec((2 * D, K, Hd), ("embed2", "kv_heads", "head_dim")),
+        "v": ArraySpec((2 * D, K, Hd), ("embed2", "kv_heads", "head_dim")),
+        "o": ArraySpec((N, Hd, D), ("heads", "head_dim", "embed")),
+        "mlp_norm": ArraySpec((D,), ("embed",)),
+        "gate": ArraySpec((D, F), ("embed", "mlp")),
+        "up": ArraySpec((D, F), ("embed", "mlp")),
+        "down": ArraySpec((F, D), ("mlp", "embed")),
+        "final_norm": ArraySpec((D,), ("embed",)),
+        "lm_head": ArraySpec((D, cfg.draft_vocab_size), ("embed", "vocab")),
+    }
+
+
+NORMS = ("input_norm", "hidden_norm", "mlp_norm", "final_norm")
+
+
+class Eagle3Head(nnx.Module):
+    """The EAGLE-3 draft head (EAGLE3.md section 2).
+
+    Trainable weights are `nnx.Param`s named as in `param_specs`; `d2t` / `t2d` are `VocabMap` buffers and the
+    optional own embedding a `FrozenEmbedding`, so `nnx.split(head, nnx.Param, ...)` separates what training updates.
+    """
+
+    def __init__(
+        self,
+        cfg: Eagle3Config,
+        *,
+        rngs: nnx.Rngs | None = None,
+        dtype=jnp.float32,
+        weights: Mapping[str, jax.Array] | None = None,
+        own_embedding: bool | None = None,
+        init_scale: float = 0.02,
+    ):
+        """Builds a head from given weights, or randomly initialised.
+
+        Args:
+          cfg: the head config.
+          rngs: random streams for initialisation (needed when `weights` is None).
+          dtype: dtype of the float weights and of the computation (logits are float32).
+          weights: JAX-layout arrays named as in `param_specs`, plus optional "d2t" [Vd] (default: the first Vd
+            target ids), "t2d" [V] (default: derived from d2t) and "embed" [V, D].
+          own_embedding: whether a random head carries its own embedding; None: only when `cfg.needs_own_embedding`.
+          init_scale: standard deviation of the random matrices; norms start at 1.
+        """
+        self.cfg = cfg
+        self.dtype = dtype
+        specs = param_specs(cfg)
+        if weights is None:
+            if rngs is None:
+                raise InputError("Eagle3Head needs rngs= to initialise random weights, or weights= to load them")
+
+            def normal(shape):
+                return (init_scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+            weights = {n: jnp.ones(s.shape, dtype) if n in NORMS else normal(s.shape) for n, s in specs.items()}
+            if cfg.needs_own_embedding if own_embedding is None else own_embedding:
+                weights["embed"] = normal((cfg.vocab_size, cfg.hidden_size))
+        for name, spec in specs.items():
+            w = jnp.asarray(weights[name], dtype)
+            if w.shape != spec.shape:
+                raise InputError(f"Eagle3Head weight {name!r} has shape {list(w.shape)}, expected {list(spec.shape)}")
+            setattr(self, name, nnx.Param(w))
+        embed = weights.get("embed")
+        if embed is None and cfg.needs_own_embedding:
+            raise InputError(
+                f"an EAGLE-3 head of width {cfg.hidden_size} over a target of width {cfg.target_hidden_size} needs its "
+                "own embedding; pass weights['embed'] [V, D]"
+            )
+        self.embed = None if embed is None else FrozenEmbedding(jnp.asarray(embed, dtype))
+        d2t = weights.get("d2t")
+        d2t = jnp.zeros((cfg.draft_vocab_size,), jnp.int32) if d2t is None else jnp.asarray(d2t, jnp.int32)
+        t2d = weights.get("t2d")
+        t2d = t2d_from_d2t(d2t, cfg.vocab_size) if t2d is None else jnp.asarray(t2d, bool)
+        if d2t.shape != (cfg.draft_vocab_size,) or t2d.shape != (cfg.vocab_size,):
+            raise InputError(
+                f"Eagle3Head d2t/t2d have shapes {list(d2t.shape)}/{list(t2d.shape)}, expected "
+                f"[{cfg.draft_vocab_size}]/[{cfg.vocab_size}]"
+            )
+        self.d2t = VocabMap(d2t)
+        self.t2d = VocabMap(t2d)
+
+    # -- inputs ------------------------------------------------------------------------------------------------
+
+    def embed_tokens(self, ids_bt: jax.Array, target_embed_vd: jax.Array | None = None) -> jax.Array:
+        """Embeds target-vocabulary ids with the head's own embedding, else with the target's (shared, frozen).
+
+        Args:
+          ids_bt: int32 target token ids.
+          target_embed_vd: the target's embedding table [V, D]; needed when the head has none.
+        Returns:
+          [..., D] in the head dtype.
+        """
+        if self.embed is not None:
+            table = self.embed[...]
+        elif target_embed_vd is None:
+            raise InputError("this EAGLE-3 head shares the target's embedding: pass target_embed_vd (weights.embed)")
+        else:
+            table = target_embed_vd
+        return table[ids_bt].astype(self.dtype)
+
+    def fuse(self, taps_btf: jax.Array) -> jax.Array:
+        """fc over the concatenated target taps [B, T, n*Ht] (low, mid, high) -> g [B, T, D]."""
+        return jnp.einsum("btf,fd->btd", taps_btf.astype(self.dtype), self.fc[...])
+
+    # -- the layer, in pieces shared by inference and training -----------------------------------------------
+
+    def qkv(
+        self, embed_btd: jax.Array, g_btd: jax.Array, positions_bt: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values of the midlayer, RoPE applied with the head's own settings.
+
+        Args:
+          embed_btd: embeddings of the tokens paired with each row.
+          g_btd: fused target features, or the previous draft step's `out_prenorm`.
+          positions_bt: int32 rotary positions (drafting row j pairs feature j with token j+1 at position j).
+        Returns:
+          (q [B, T, N, Hd], k [B, T, K, Hd], v [B, T, K, Hd]).
+        """
+        eps = self.cfg.rms_norm_eps
+        e = rms_norm(embed_btd.astype(self.dtype), self.input_norm[...], eps)
+        h = rms_norm(g_btd.astype(self.dtype), self.hidden_norm[...], eps)
+        x = jnp.concatenate([e, h], axis=-1)  # embedding first
+        q = jnp.einsum("bte,enh->btnh", x, self.q[...])
+        k = jnp.einsum("bte,ekh->btkh", x, self.k[...])
+        v = jnp.einsum("bte,ekh->btkh", x, self.v[...])
+        inv_freq = rope_inv_freq(self.cfg)
+        return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
+
+    def finish(self, g_btd: jax.Array, attn_btnh: jax.Array) -> jax.Array:
+        """o_proj, residual on the raw g, SwiGLU MLP: the midlayer's pre-norm output [B, T, D] (next step's g)."""
+        eps = self.cfg.rms_norm_eps
+        h1 = g_btd.astype(self.dtype) + jnp.einsum("btnh,nhd->btd", attn_btnh.astype(self.dtype), self.o[...])
+        x = rms_norm(h1, self.mlp_norm[...], eps)
+        mlp = jax.nn.silu(jnp.einsum("btd,df->btf", x, self.gate[...])) * jnp.einsum("btd,df->btf", x, self.up[...])
+        return h1 + jnp.einsum("btf,fd->btd", mlp, self.down[...])
+
+    def logits(self, out_prenorm: jax.Array) -> jax.Array:
+        """Final norm and the reduced lm_head: float32 draft logits [..., Vd]."""
+        h = rms_norm(out_prenorm, self.final_norm[...], self.cfg.rms_norm_eps)
+        return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    # -- cached inference ------------------------------------------------------------------------------------
+
+    def empty_cache(self, batch: int, num_slots: int, dtype=None) -> KVCache:
+        """The head's own KV cache (L = 1): `num_slots` slots per row, slot s holding draft position s."""
+        return KVCache.empty(self.cfg, batch, num_slots, self.dtype if dtype is None else dtype)
+
+    def step(
+        self,
+        embed_btd: jax.Array,
+        g_btd: jax.Array,
+        positions_bt: jax.Array,
+        cache: KVCache,
+        new_mask_btt: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
+        """One midlayer pass of T new rows against the head's KV cache; writes their keys/values.
+
+        As in `llama.forward`, the rows go to slots `cache.lengths + arange(T)` and `cache.lengths` is left for the
+        caller to advance, so a draft round is rolled back by not advancing it (EAGLE keeps only the prefix KV,
+        computed from target features: EAGLE3.md section 4).
+
+        Args:
+          embed_btd: embeddings of the paired tokens (`embed_tokens`).
+          g_btd: `fuse(taps)` for rows backed by target features, else the parent's `out_prenorm`.
+          positions_bt: int32 rotary positions [B, T] (or broadcastable): row j of a prefix pass at j; draft step k
+            after row p at p + k.
+          cache: the head's KV cache (L = 1); row b attends to its first `lengths[b]` slots.
+          new_mask_btt: bool [B, T, T], which new rows each row sees; causal when None (a tree passes ancestors).
+        Returns:
+          (draft logits [B, T, Vd] float32, out_prenorm [B, T, D], cache with the new keys/values written).
+        """
+        B, T = embed_btd.shape[:2]
+        positions_bt = jnp.broadcast_to(positions_bt, (B, T))
+        S = cache.num_slots
+        cfg = self.cfg
+        if new_mask_btt is None:
+            new_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+        cache_mask = jnp.broadcast_to(jnp.arange(S)[None, None, :] < cache.lengths[:, None, None], (B, T, S))
+        q, k, v = self.qkv(embed_btd, g_btd, positions_bt)
+        q = q.reshape(B, T, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
+        k_cache, v_cache = cache.k[0].astype(k.dtype), cache.v[0].astype(v.dtype)
+        attn = attend(q, k_cache, v_cache, k, v, cache_mask, new_mask_btt)
+        out = self.finish(g_btd, attn.reshape(B, T, cfg.num_heads, cfg.head_dim))
+        return self.logits(out), out, cache.write(k[None], v[None])
+
+    # -- vocabularies ----------------------------------------------------------------------------------------
+
+    def draft_to_target(self, draft_ids: jax.Array) -> jax.Array:
+        """Target-vocabulary ids of draft-vocabulary ids: draft + d2t[draft]."""
+        return draft_ids + self.d2t[...][draft_ids]
+
+    def target_ids_of_draft_vocab(self) -> jax.Array:
+        """int32 [Vd]: the target id of every draft id (where draft probabilities land in the target vocabulary)."""
+        return jnp.arange(self.cfg.draft_vocab_size, dtype=jnp.int32) + self.d2t[...]
+
+    def probs_to_target(self, draft_probs: jax.Array) -> jax.Array:
+        """Scatters draft-vocabulary probabilities [..., Vd] into the target vocabulary [..., V] (zeros elsewhere)."""
+        out = jnp.zeros((*draft_probs.shape[:-1], self.cfg.vocab_size), draft_probs.dtype)
+        return out.at[..., self.target_ids_of_draft_vocab()].set(draft_probs)
+
+    def logits_to_target(self, draft_logits: jax.Array) -> jax.Array:
+        """Scatters draft logits [..., Vd] into target-vocabulary logits [..., V], -inf outside the draft vocabulary.
+
+        softmax / argmax over the result equal those over the draft logits, mapped through d2t.
+        """
+        out = jnp.full((*draft_logits.shape[:-1], self.cfg.vocab_size), -jnp.inf, draft_logits.dtype)
+        return out.at[..., self.target_ids_of_draft_vocab()].set(draft_logits)
+
+
+def t2d_from_d2t(d2t: jax.Array, vocab_size: int) -> jax.Array:
+    """The bool membership mask [V] of the draft vocabulary described by offsets d2t [Vd]."""
+    target_ids = jnp.arange(d2t.shape[0], dtype=jnp.int32) + jnp.asarray(d2t, jnp.int32)
+    return jnp.zeros((vocab_size,), bool).at[target_ids].set(True, mode="drop")
+
+
+def vocab_map_from_ids(used_ids: Sequence[int], vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """d2t [Vd] int32 and t2d [V] bool for a draft vocabulary of the given distinct target ids (EAGLE3.md section 3).
+
+    Args:
+      used_ids: the target ids kept in the draft vocabulary (any order; they are sorted ascending).
+      vocab_size: V.
+    Returns:
+      (d2t, t2d), with target_id = draft_id + d2t[draft_id].
+    """
+    used = sorted({int(i) for i in used_ids})
+    if len(used) != len(used_ids) or (used and not 0 <= used[0] <= used[-1] < vocab_size):
+        raise InputError(f"draft vocabulary ids must be distinct ids in 0..{vocab_size - 1}")
+    used_arr = jnp.asarray(used, jnp.int32)
+    d2t = used_arr - jnp.arange(len(used), dtype=jnp.int32)
+    return d2t, t2d_from_d2t(d2t, vocab_size)
