@@ -13,6 +13,9 @@ from specjax.errors import InputError, SpecjaxError
 from specjax.io.tokenizer import Tokenizer
 
 
+RawDescription = argparse.RawDescriptionHelpFormatter
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """An argparse parser whose usage errors are one line on stderr and exit code 2."""
 

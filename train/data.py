@@ -1,0 +1,97 @@
+"""Stage 1 (regenerate): the target writes the assistant responses itself; and the dataset those responses form.
+
+Responses are generated with specjax's own batched decoding through the target's chat template, and stored as
+token arrays with assistant-only loss masks in numbered chunk files (`.npz`, no pickle). Each chunk is written
+atomically, so an interrupted run resumes at the first missing chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from decode.cli import read_prompts_file
+from specjax.config import SamplingConfig
+from specjax.errors import InputError
+from specjax.generate import generate
+from specjax.io.models import LoadedModel
+from train.config import DataSection
+from train.prompts import builtin_prompts
+
+
+def load_prompts(data: DataSection) -> tuple[list[str], list[str]]:
+    """(training prompts, held-out evaluation prompts) from the configured source."""
+    prompts = builtin_prompts(data.seed) if data.prompts == "builtin" else read_prompts_file(Path(data.prompts))
+    need = data.eval_prompts + data.num_prompts
+    if len(prompts) < need:
+        raise InputError(
+            f"{data.prompts}: {len(prompts)} prompts, but data.num_prompts + data.eval_prompts = {need}; lower them"
+        )
+    return prompts[data.eval_prompts : need], prompts[: data.eval_prompts]
+
+
+def _chunk_path(folder: Path, index: int) -> Path:
+    return folder / f"chunk-{index:05d}.npz"
+
+
+def _write_chunk(path: Path, samples: list[tuple[list[int], list[int]]]) -> None:
+    tokens = np.concatenate([np.asarray(p + r, np.int32) for p, r in samples])
+    mask = np.concatenate([np.r_[np.zeros(len(p), np.int8), np.ones(len(r), np.int8)] for p, r in samples])
+    lengths = np.asarray([len(p) + len(r) for p, r in samples], np.int32)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, tokens=tokens, loss_mask=mask, lengths=lengths)
+    os.replace(tmp, path)
+
+
+def regenerate(model: LoadedModel, data: DataSection, folder: Path) -> None:
+    """Writes the regenerated dataset into `folder` (chunk files + manifest.json + eval_prompts.jsonl).
+
+    Args:
+      model: the target.
+      data: the data section of the config.
+      folder: the dataset folder; existing chunks are kept and skipped.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    train_prompts, eval_prompts = load_prompts(data)
+    with open(folder / "eval_prompts.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"prompt": p}) + "\n" for p in eval_prompts)
+    tok = model.tokenizer
+    encoded = [tok.chat_prompt_ids(p) for p in train_prompts]
+    kept = [ids for ids in encoded if len(ids) <= data.max_prompt_tokens]
+    kept.sort(key=len)  # similar lengths share a batch: less padding
+    eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(tok.eos_token_ids)))
+    sampling = SamplingConfig(temperature=data.temperature)
+    batches = [kept[i : i + data.batch_size] for i in range(0, len(kept), data.batch_size)]
+    todo = [i for i in range(len(batches)) if not _chunk_path(folder, i).exists()]
+    for i in tqdm(todo, desc="regenerate", unit="batch", file=sys.stderr, disable=not todo):
+        out = generate(
+            model.weights, model.cfg, batches[i], max_new_tokens=data.max_new_tokens, sampling=sampling,
+            seed=data.seed + i, eos_ids=eos, batch_size=data.batch_size,
+        )  # fmt: skip
+        _write_chunk(_chunk_path(folder, i), [(c.prompt_ids, c.output_ids) for c in out.completions])
+    manifest = {
+        "chunks": len(batches),
+        "samples": len(kept),
+        "skipped_long_prompts": len(encoded) - len(kept),
+        "python": sys.version.split()[0],
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def load_samples(folder: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    """All (tokens, loss_mask) samples of a regenerated dataset, in chunk order."""
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.is_file():
+        raise InputError(f"{folder} holds no finished dataset; run the regenerate stage first")
+    chunks = json.loads(manifest_path.read_text())["chunks"]
+    samples = []
+    for i in range(chunks):
+        with np.load(_chunk_path(folder, i), allow_pickle=False) as z:
+            starts = np.r_[0, np.cumsum(z["lengths"])]
+            samples += [(z["tokens"][a:b], z["loss_mask"][a:b]) for a, b in zip(starts[:-1], starts[1:])]
+    return samples

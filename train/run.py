@@ -1,0 +1,128 @@
+"""The training pipeline's stages, each runnable alone and resumable, all writing under `output_dir`:
+
+  regenerate -> data/      the target's own responses to the prompts (token arrays + assistant-only loss masks)
+  vocab      -> vocab.npz  the draft vocabulary (d2t / t2d) from assistant-token frequencies
+  train      -> train/     orbax checkpoints + metrics.jsonl
+  evaluate   -> eval.json  mean accepted length on held-out prompts, by real speculative decoding
+  export     -> export/    a LlamaForCausalLMEagle3 folder (config.json + model.safetensors + README.md)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.errors import InputError
+from specjax.io.eagle3_checkpoint import save_eagle3
+from specjax.io.models import LoadedModel, load_model
+from specjax.models.eagle3 import Eagle3Config, Eagle3Head
+from specjax.sharding import make_mesh
+from train.batches import BatchSource
+from train.config import TrainConfig, config_to_dict
+from train.data import load_samples, regenerate
+from train.trainer import Trainer, checkpoint_manager, restore_latest, train
+from train.vocab import draft_vocab, load_vocab, save_vocab
+
+STAGES = ("regenerate", "vocab", "train", "evaluate", "export")
+# Sections that define the run: a resumed run must agree on them (training.steps may grow).
+_FROZEN_SECTIONS = ("model", "data", "training", "mesh")
+
+
+def maybe_initialize_distributed(cfg: TrainConfig) -> None:
+    """Multi-host: jax.distributed.initialize from the config, or from the environment when it names a coordinator."""
+    d = cfg.distributed
+    if d.coordinator is not None:
+        jax.distributed.initialize(d.coordinator, d.num_processes, d.process_id)
+    elif os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize()
+
+
+def record_config(cfg: TrainConfig) -> None:
+    """Writes output_dir/config.json, or checks that an existing run there was made with the same settings."""
+    path = cfg.output_path / "config.json"
+    current = config_to_dict(cfg)
+    if path.exists():
+        previous = json.loads(path.read_text())
+        for section in _FROZEN_SECTIONS:
+            a, b = dict(previous.get(section, {})), dict(current[section])
+            if section == "training":
+                a.pop("steps", None), b.pop("steps", None)
+            if a != b:
+                raise InputError(
+                    f"{cfg.output_dir} holds a run made with different {section} settings; "
+                    "choose another output_dir or restore the original config"
+                )
+    cfg.output_path.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(current, indent=1))
+
+
+def head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
+    base = Eagle3Config.default_for(model.cfg, cfg.model.draft_vocab_size)
+    overrides = {}
+    if cfg.model.tap_layers is not None:
+        overrides["tap_layers"] = cfg.model.tap_layers
+    if cfg.model.intermediate_size is not None:
+        overrides["intermediate_size"] = cfg.model.intermediate_size
+    return dataclasses.replace(base, **overrides)
+
+
+def stage_regenerate(cfg: TrainConfig, model: LoadedModel) -> None:
+    regenerate(model, cfg.data, cfg.output_path / "data")
+
+
+def stage_vocab(cfg: TrainConfig, model: LoadedModel) -> None:
+    samples = load_samples(cfg.output_path / "data")
+    d2t, t2d, coverage = draft_vocab(samples, model.cfg.vocab_size, cfg.model.draft_vocab_size)
+    save_vocab(cfg.output_path / "vocab.npz", d2t, t2d)
+    print(f"draft vocabulary: {len(d2t)} tokens cover {coverage:.2%} of assistant tokens", file=sys.stderr)
+
+
+def build_trainer(cfg: TrainConfig, model: LoadedModel) -> tuple[Trainer, BatchSource]:
+    d2t, t2d = load_vocab(cfg.output_path / "vocab.npz")
+    head_cfg = head_config(cfg, model)
+    head = Eagle3Head(head_cfg, rngs=nnx.Rngs(cfg.training.seed))
+    head.d2t.value = jnp.asarray(d2t, jnp.int32)
+    head.t2d.value = jnp.asarray(t2d)
+    mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
+    source = BatchSource(
+        load_samples(cfg.output_path / "data"), cfg.training.batch_size, cfg.training.seq_len, cfg.training.seed
+    )
+    return Trainer(cfg, model.cfg, model.weights, head, mesh), source
+
+
+def stage_train(cfg: TrainConfig, model: LoadedModel, stop_after: int | None = None) -> None:
+    trainer, source = build_trainer(cfg, model)
+    train(trainer, source, cfg.output_path / "train", stop_after=stop_after)
+
+
+def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
+    trainer, _ = build_trainer(cfg, model)
+    state = restore_latest(trainer, checkpoint_manager(trainer, cfg.output_path / "train"))
+    if int(state["step"]) == 0:
+        raise InputError(f"{cfg.output_dir}/train holds no checkpoint; run the train stage first")
+    head = trainer.export_head(state)
+    folder = cfg.output_path / "export"
+    save_eagle3(folder, head.cfg, head, dtype=jnp.bfloat16)
+    return folder
+
+
+def run(cfg: TrainConfig, stages: list[str]) -> None:
+    """Runs the given stages in pipeline order."""
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise InputError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)} or all")
+    maybe_initialize_distributed(cfg)
+    model = load_model(cfg.model.target)
+    record_config(cfg)
+    for stage in (s for s in STAGES if s in stages):
+        print(f"== {stage}", file=sys.stderr)
+        {"regenerate": stage_regenerate, "vocab": stage_vocab, "train": stage_train, "export": stage_export}[stage](
+            cfg, model
+        )

@@ -1,0 +1,219 @@
+"""Stage 3 (train): the sharded, jitted TTT step, orbax checkpoints, exact resume, metrics.
+
+The frozen target runs inside the step (online features: nothing per token is stored on disk). Target weights, head
+weights, optimizer state and batches all carry NamedShardings on one mesh (axes data / fsdp / tensor); the step is
+`jax.jit` with in/out shardings. Everything a run depends on is a function of (config, step), so resuming from a
+checkpoint continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm import tqdm
+
+from specjax.errors import SpecjaxError
+from specjax.kv_cache import KVCache
+from specjax.models.eagle3 import Eagle3Head, param_specs
+from specjax.models.llama import ArraySpec, Weights, forward, weight_specs
+from specjax.sharding import DEFAULT_RULES, partition_spec
+from train.batches import BatchSource
+from train.config import TrainConfig
+from train.ttt import ttt_loss
+
+# Training adds FSDP: weights' model dimension over "fsdp", batches over data x fsdp.
+TRAIN_RULES = (
+    *((k, v) for k, v in DEFAULT_RULES if k != "batch"),
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("embed2", "fsdp"),
+    ("taps", "fsdp"),
+)
+
+
+class TrainingDiverged(SpecjaxError):
+    """The loss became NaN or infinite."""
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW (betas 0.9 / 0.95, as EAGLE) with linear warmup and cosine decay, after global-norm clipping."""
+    t = cfg.training
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=t.learning_rate,
+        warmup_steps=min(t.warmup_steps, t.steps - 1),
+        decay_steps=t.steps,
+        end_value=t.learning_rate * t.final_lr_ratio,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay),
+    )
+
+
+def to_global(host: np.ndarray | jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Places an array that every process holds in full onto a (possibly multi-host) sharding."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+class Trainer:
+    """Owns the mesh placement and the compiled step of one training run."""
+
+    def __init__(self, cfg: TrainConfig, target_cfg, target_weights: Weights, head: Eagle3Head, mesh: Mesh):
+        self.cfg, self.target_cfg, self.mesh = cfg, target_cfg, mesh
+        self.optimizer = make_optimizer(cfg)
+        self.graphdef, params, self.buffers = nnx.split(head, nnx.Param, ...)
+
+        def shard(specs):
+            return jax.tree.map(
+                lambda s: NamedSharding(mesh, partition_spec(s.axes, s.shape, mesh, TRAIN_RULES)),
+                specs,
+                is_leaf=lambda x: isinstance(x, ArraySpec),
+            )
+
+        target_shardings = shard(weight_specs(target_cfg))
+        self.target_weights = jax.tree.map(to_global, target_weights, target_shardings)
+        head_shardings = shard(param_specs(head.cfg))
+        params = jax.tree_util.tree_map_with_path(lambda path, p: to_global(p, head_shardings[path[0].key]), params)
+        self.batch_sharding = NamedSharding(mesh, partition_spec(("batch", None), (cfg.training.batch_size, 1), mesh,
+                                                                 TRAIN_RULES))  # fmt: skip
+        opt_state = jax.jit(self.optimizer.init)(params)
+        self.initial_state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
+        self.state_shardings = jax.tree.map(lambda x: x.sharding, self.initial_state)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self._step = jax.jit(
+            self._train_step,
+            in_shardings=(self.state_shardings, target_shardings, {"tokens": self.batch_sharding,
+                                                                   "loss_mask": self.batch_sharding}),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )  # fmt: skip
+
+    def head(self, params: nnx.State) -> Eagle3Head:
+        """The head with the given trainable weights."""
+        return nnx.merge(self.graphdef, params, self.buffers)
+
+    def loss(self, params: nnx.State, target_weights: Weights, batch: dict, attention=None):
+        """TTT loss and metrics of one batch (the frozen target runs here)."""
+        tokens, mask = batch["tokens"], batch["loss_mask"]
+        B, T = tokens.shape
+        head = self.head(params)
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        cache = KVCache.empty(self.target_cfg, B, 1, target_weights.embed.dtype)  # no prefix: lengths 0
+        logits, taps, _ = forward(target_weights, self.target_cfg, tokens, positions, cache,
+                                  tap_layers=head.cfg.tap_layers)  # fmt: skip
+        logits, taps = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(taps)
+        t = self.cfg.training
+        kwargs = {} if attention is None else {"attention": attention}
+        return ttt_loss(head, target_weights.embed, tokens, mask, taps, logits, t.ttt_length, t.step_decay, **kwargs)
+
+    def _train_step(self, state: dict, target_weights: Weights, batch: dict):
+        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
+        (loss, aux), grads = grad_fn(state["params"], target_weights, batch)
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    def step(self, state: dict, batch: dict[str, np.ndarray]) -> tuple[dict, dict]:
+        placed = {k: to_global(v, self.batch_sharding) for k, v in batch.items()}
+        return self._step(state, self.target_weights, placed)
+
+    def export_head(self, state: dict) -> Eagle3Head:
+        """The head with the trained weights, gathered to host memory."""
+        return self.head(jax.tree.map(lambda x: jnp.asarray(np.asarray(jax.device_get(x))), state["params"]))
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drops metric lines past `last_step` (written after the checkpoint a resumed run restarts from)."""
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
+def checkpoint_manager(trainer: Trainer, run_dir: Path) -> ocp.CheckpointManager:
+    """Orbax checkpoints under run_dir/checkpoints: atomic (written aside, then renamed), the last k kept."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=trainer.cfg.checkpoint.keep, create=True)
+    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
+
+
+def restore_latest(trainer: Trainer, manager: ocp.CheckpointManager) -> dict:
+    """The train state of the newest checkpoint, placed with the run's shardings; the initial state if none."""
+    latest = manager.latest_step()
+    if latest is None:
+        return trainer.initial_state
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), trainer.initial_state
+    )
+    print(f"restored the checkpoint of step {latest}", file=sys.stderr)
+    return manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+
+
+def train(
+    trainer: Trainer,
+    source: BatchSource,
+    run_dir: Path,
+    on_step: Callable[[int, dict], None] | None = None,
+    stop_after: int | None = None,
+) -> dict:
+    """Runs (or resumes) training to `training.steps`.
+
+    Args:
+      trainer: the Trainer.
+      source: the batches.
+      run_dir: the stage folder: checkpoints/ and metrics.jsonl go here.
+      on_step: optional callback(step, host metrics) after each step (tests use it).
+      stop_after: stop after this step (checkpointing as usual), as if interrupted; for tests and partial runs.
+    Returns:
+      The final train state.
+    """
+    cfg = trainer.cfg
+    manager = checkpoint_manager(trainer, run_dir)
+    state = restore_latest(trainer, manager)
+    metrics_path = run_dir / "metrics.jsonl"
+    _truncate_metrics(metrics_path, int(state["step"]))
+    start = int(state["step"])
+    end = cfg.training.steps if stop_after is None else min(cfg.training.steps, stop_after)
+    tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
+    bar = tqdm(range(start, end), initial=start, total=cfg.training.steps, desc="train", file=sys.stderr,
+               disable=jax.process_index() != 0)  # fmt: skip
+    with open(metrics_path, "a", encoding="utf-8") as log:
+        t0 = time.perf_counter()
+        for step in bar:
+            state, metrics = trainer.step(state, source.batch(step))
+            host = jax.tree.map(lambda x: np.asarray(x).tolist(), jax.device_get(metrics))
+            if not math.isfinite(host["loss"]):
+                raise TrainingDiverged(
+                    f"the loss became {host['loss']} at step {step + 1}; the last good checkpoint "
+                    f"(step {manager.latest_step()}) is intact: lower training.learning_rate and run again to resume"
+                )
+            done = step + 1
+            rate = tokens_per_step / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            bar.set_postfix(loss=f"{host['loss']:.3f}", acc0=f"{host['acc_k'][0]:.2f}", tok_s=f"{rate:.0f}")
+            if done % cfg.logging.every == 0 or done == end:
+                record = {"step": done, "loss": host["loss"], "loss_k": host["loss_k"], "acc_k": host["acc_k"],
+                          "grad_norm": host["grad_norm"], "tokens_per_s": rate}  # fmt: skip
+                if jax.process_index() == 0:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+            if on_step is not None:
+                on_step(done, host)
+            if done % cfg.checkpoint.every == 0 or done == end:
+                manager.save(done, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+    manager.close()
+    return state
