@@ -12,7 +12,6 @@ from specjax.config import SamplingConfig
 from specjax.errors import InputError, SpecjaxError
 from specjax.io.tokenizer import Tokenizer
 
-
 RawDescription = argparse.RawDescriptionHelpFormatter
 
 

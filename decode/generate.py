@@ -7,6 +7,8 @@ import sys
 from collections.abc import Sequence
 
 from decode import cli
+from specjax import speculative
+from specjax.drafters import SPEC_HELP, drafter_from_spec
 from specjax.generate import generate
 from specjax.io.models import load_model
 
@@ -17,8 +19,16 @@ def parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="specjax-generate", description=__doc__)
     cli.add_model_args(p)
     cli.add_sampling_args(p)
+    p.add_argument("--drafter", default="none", help=f"speculative drafter: {SPEC_HELP}")
+    p.add_argument("--num-draft-tokens", type=int, default=5, help="K, draft tokens per round (with --drafter)")
+    p.add_argument("--num-samples", type=int, default=1, help="N samples of each prompt, decoded as one batch")
     p.add_argument("--json", dest="json_out", help="write the results to this JSON file")
     return p
+
+
+def _load_draft(path: str):
+    draft = load_model(path)
+    return draft.cfg, draft.weights
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -26,25 +36,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     sampling = cli.sampling_from_args(args)
     cli.check_positive("--max-new-tokens", args.max_new_tokens)
     cli.check_positive("--batch-size", args.batch_size)
+    cli.check_positive("--num-samples", args.num_samples)
     prompts = cli.gather_prompts(args, default=[DEFAULT_PROMPT])
     model = load_model(args.model)
     tok = model.tokenizer
+    drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=_load_draft)
+    if drafter is not None:
+        speculative.check_inputs(model.cfg, drafter, args.num_draft_tokens)
+    prompts = [p for p in prompts for _ in range(args.num_samples)]  # each prompt's samples are adjacent
     prompt_ids = cli.encode_prompts(tok, prompts, args.raw)
     eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(tok.eos_token_ids)))
-    batch_size = args.batch_size or min(len(prompts), 8)
+    batch_size = args.batch_size or (min(args.num_samples, 64) if args.num_samples > 1 else min(len(prompts), 8))
 
     results = []
     for start, group in zip(range(0, len(prompts), batch_size), cli.batches(prompt_ids, batch_size)):
-        out = generate(
-            model.weights,
-            model.cfg,
-            group,
-            max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            seed=args.seed + start,
-            eos_ids=eos,
-            batch_size=batch_size,
-        )
+        kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed + start, eos_ids=eos)
+        if drafter is None:
+            out = generate(model.weights, model.cfg, group, batch_size=batch_size, **kw)
+            spec_stats = {}
+        else:
+            out = speculative.generate(
+                model.weights,
+                model.cfg,
+                group,
+                drafter=drafter,
+                num_draft_tokens=args.num_draft_tokens,
+                batch_size=batch_size,
+                **kw,
+            )
+            # Acceptance statistics are per batch: every result of a batch carries its batch's figures.
+            spec_stats = {
+                "mean_accepted": out.stats.mean_accepted,
+                "rounds": out.stats.rounds,
+                "acceptance_by_position": out.stats.acceptance_by_position,
+            }
         if out.compile_seconds:
             print(f"[compiled in {out.compile_seconds:.1f} s]", file=sys.stderr)
         for i, c in enumerate(out.completions):
@@ -57,16 +82,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "text": tok.decode(c.output_ids),
                     "finish_reason": c.finish_reason,
                     # `seconds` is the wall time of the batch this prompt ran in.
-                    "stats": {"new_tokens": n, "seconds": out.seconds, "tokens_per_s": n / out.seconds},
+                    "stats": {"new_tokens": n, "seconds": out.seconds, "tokens_per_s": n / out.seconds, **spec_stats},
                 }
             )
         if not args.json_out:
             for r in results[start:]:
                 s = r["stats"]
                 print(f"\n>>> {r['prompt']}\n{r['text']}")
+                accepted = f", {s['mean_accepted']:.2f} tokens/round" if "mean_accepted" in s else ""
                 print(
                     f"[{s['new_tokens']} tokens, {r['finish_reason']}; batch of {len(group)}: "
-                    f"{sum(len(c.output_ids) for c in out.completions) / out.seconds:.1f} tok/s]"
+                    f"{sum(len(c.output_ids) for c in out.completions) / out.seconds:.1f} tok/s{accepted}]"
                 )
     if args.json_out:
         config = {
@@ -79,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             "seed": args.seed,
             "batch_size": batch_size,
             "raw": args.raw,
+            "drafter": args.drafter,
+            "num_draft_tokens": args.num_draft_tokens if drafter is not None else None,
+            "num_samples": args.num_samples,
         }
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump({"config": config, "results": results}, f, indent=1, ensure_ascii=False)

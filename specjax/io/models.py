@@ -68,7 +68,9 @@ def tiny_random_model(dtype=jnp.float32) -> LoadedModel:
 
 
 def load_model(name_or_path: str, dtype=None) -> LoadedModel:
-    """Loads a built-in model ("smollm2-135m", or "tiny-random" for smoke tests), a .gguf file (converted once, then cached) or an HF folder.
+    """Loads a built-in model ("smollm2-135m"; "tiny-random" for smoke tests), a .gguf file or an HF folder.
+
+    A .gguf file is converted once, then loaded from the cache.
 
     Args:
       name_or_path: a built-in name, a path to a .gguf file, or a folder with config.json, *.safetensors and
@@ -92,7 +94,7 @@ def load_model(name_or_path: str, dtype=None) -> LoadedModel:
         tokenizer = Tokenizer.from_folder(path)
     else:
         raise CheckpointError(
-            f"{name_or_path!r} is not a built-in model ({', '.join([*EMBEDDED, TINY_RANDOM])}), a .gguf file or a model "
-            "folder"
+            f"{name_or_path!r} is not a built-in model ({', '.join([*EMBEDDED, TINY_RANDOM])}), "
+            "a .gguf file or a model folder"
         )
     return LoadedModel(cfg, weights, tokenizer, str(path))

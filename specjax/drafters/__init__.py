@@ -1,0 +1,68 @@
+"""Drafters for the speculative loop, behind one small protocol (`Drafter`): the loop never knows which it runs.
+
+- `NgramDrafter`: prompt lookup over prompt + generated text (one-hot draft_probs).
+- `LayerSkipDrafter`: the target's first N layers + final norm + LM head.
+- `ModelDrafter`: a separate, smaller checkpoint with the same vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specjax.config import ModelConfig
+from specjax.drafters.base import Drafter, draw
+from specjax.drafters.model import LayerSkipDrafter, ModelDrafter, ModelDraftState
+from specjax.drafters.ngram import NgramDrafter, ngram_proposal
+from specjax.errors import InputError
+from specjax.models.llama import Weights
+
+__all__ = [
+    "Drafter",
+    "LayerSkipDrafter",
+    "ModelDraftState",
+    "ModelDrafter",
+    "NgramDrafter",
+    "draw",
+    "drafter_from_spec",
+    "ngram_proposal",
+]
+
+SPEC_HELP = "none, ngram[:N] (N = longest n-gram, default 3), layerskip:N (first N layers), model:PATH"
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InputError(f"{what} must be an integer, got {text!r}") from None
+
+
+def drafter_from_spec(
+    spec: str, weights: Weights, cfg: ModelConfig, load: Callable[[str], tuple[ModelConfig, Weights]] | None = None
+) -> Drafter | None:
+    """Builds a drafter from a command-line spec.
+
+    Args:
+      spec: "none", "ngram", "ngram:N", "layerskip:N" or "model:PATH".
+      weights, cfg: the target model (layer-skip drafts with its own weights).
+      load: for "model:PATH", returns (cfg, weights) of the checkpoint at PATH.
+    Returns:
+      The drafter, or None for "none". Raises InputError on a malformed spec or a value out of range.
+    """
+    kind, _, arg = spec.strip().partition(":")
+    if kind == "none" and not arg:
+        return None
+    if kind == "ngram":
+        return NgramDrafter(max_n=_int(arg, "the n-gram size") if arg else 3)
+    if kind == "layerskip":
+        if not arg:
+            raise InputError(f"layerskip needs a layer count, e.g. layerskip:{max(1, cfg.num_layers // 4)}")
+        return LayerSkipDrafter(weights, cfg, _int(arg, "the layer-skip layer count"))
+    if kind == "model":
+        if not arg or load is None:
+            raise InputError("model drafting needs a checkpoint: model:PATH (a .gguf file, HF folder or built-in name)")
+        draft_cfg, draft_weights = load(arg)
+        drafter = ModelDrafter(draft_weights, draft_cfg)
+        drafter.validate(cfg, 1)
+        return drafter
+    raise InputError(f"unknown drafter {spec!r}; choose from: {SPEC_HELP}")

@@ -1,0 +1,141 @@
+"""Drafting with a smaller Llama-family model: a separate checkpoint, or the target's own first N layers.
+
+Both keep their own KV cache, rolled back the way the target's is: each round the drafter sets its cache length to
+`length_b - 2` and re-runs the last two committed tokens (the last accepted token, whose KV it may lack when all
+K drafts were accepted, and the pending bonus token), then drafts autoregressively. Slots past the committed text
+hold stale drafts and are overwritten later; nothing is ever resized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.drafters.base import draw
+from specjax.errors import InputError
+from specjax.kv_cache import KVCache
+from specjax.models.llama import Weights, forward
+
+
+def _static(default=dataclasses.MISSING):
+    return dataclasses.field(default=default, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelDraftState:
+    cache: KVCache  # the draft model's own cache
+    weights: Weights | None = None  # the layer-skip drafter's view of the target (sliced once per call)
+
+
+def _draft_chain(
+    weights: Weights,
+    cfg: ModelConfig,
+    cache: KVCache,
+    tokens_bs: jax.Array,
+    length_b: jax.Array,
+    key: jax.Array,
+    num_draft_tokens: int,
+    sampling: SamplingConfig,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """K autoregressive draft steps after re-running the last two committed tokens. Returns (tokens, probs, cache)."""
+    B = tokens_bs.shape[0]
+    cache = dataclasses.replace(cache, lengths=length_b - 2)
+    slots_b2 = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
+    last_two = jnp.take_along_axis(tokens_bs, slots_b2, axis=1)
+    logits, _, cache = forward(weights, cfg, last_two, slots_b2, cache, logits_at=jnp.ones((B, 1), jnp.int32))
+    cache = cache.advance(jnp.full((B,), 2))
+    keys = jax.random.split(key, num_draft_tokens)
+    token, probs = draw(keys[0], logits[:, 0], sampling)
+
+    def step(carry, k):
+        token, cache = carry
+        logits, _, cache = forward(weights, cfg, token[:, None], cache.lengths[:, None], cache)
+        cache = cache.advance(jnp.ones((B,), jnp.int32))
+        nxt, probs = draw(k, logits[:, 0], sampling)
+        return (nxt, cache), (nxt, probs)
+
+    if num_draft_tokens == 1:
+        return token[:, None], probs[:, None], cache
+    (_, cache), (rest_kb, rest_kbv) = jax.lax.scan(step, (token, cache), keys[1:])
+    tokens_bk = jnp.concatenate([token[:, None], rest_kb.T], axis=1)
+    probs_bkv = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_kbv, 0, 1)], axis=1)
+    return tokens_bk, probs_bkv, cache
+
+
+def _prefill(weights: Weights, cfg: ModelConfig, tokens_bp: jax.Array, num_slots: int) -> KVCache:
+    B, P = tokens_bp.shape
+    cache = KVCache.empty(cfg, B, num_slots, weights.embed.dtype)
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    _, _, cache = forward(weights, cfg, tokens_bp, positions, cache, logits_at=jnp.zeros((B, 1), jnp.int32))
+    return cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+    """A separate draft model (any supported checkpoint whose vocabulary size equals the target's)."""
+
+    weights: Weights
+    cfg: ModelConfig = _static()
+
+    def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
+        if self.cfg.vocab_size != target_cfg.vocab_size:
+            raise InputError(
+                f"the draft model's vocabulary has {self.cfg.vocab_size} tokens but the target's has "
+                f"{target_cfg.vocab_size}; use a draft model with the same tokenizer as the target"
+            )
+
+    def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> ModelDraftState:
+        return ModelDraftState(_prefill(self.weights, self.cfg, tokens_bp, num_slots))
+
+    def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
+        """See `Drafter.propose`."""
+        tokens, probs, cache = _draft_chain(
+            self.weights, self.cfg, state.cache, tokens_bs, length_b, key, num_draft_tokens, sampling
+        )
+        return tokens, probs, dataclasses.replace(state, cache=cache)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerSkipDrafter:
+    """Self-drafting: the target's first `num_layers` layers, then its final norm and LM head.
+
+    `weights` are the target's own arrays (no copy is made outside the jit); inside it the first N layers are
+    sliced once per call, before the loop, and the drafter keeps a KV cache of N layers.
+    """
+
+    weights: Weights
+    cfg: ModelConfig = _static()  # the target's config
+    num_layers: int = _static(1)
+
+    def __post_init__(self):
+        if not 1 <= self.num_layers <= self.cfg.num_layers - 1:
+            raise InputError(
+                f"layer-skip drafting uses 1 to {self.cfg.num_layers - 1} of the target's {self.cfg.num_layers} "
+                f"layers, got {self.num_layers}"
+            )
+
+    @property
+    def draft_cfg(self) -> ModelConfig:
+        return dataclasses.replace(self.cfg, num_layers=self.num_layers)
+
+    def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
+        if self.cfg != target_cfg:
+            raise InputError("a layer-skip drafter must be built from the target model's own weights and config")
+
+    def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> ModelDraftState:
+        n = self.num_layers
+        weights = dataclasses.replace(self.weights, layers=jax.tree.map(lambda a: a[:n], self.weights.layers))
+        return ModelDraftState(_prefill(weights, self.draft_cfg, tokens_bp, num_slots), weights)
+
+    def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
+        """See `Drafter.propose`."""
+        tokens, probs, cache = _draft_chain(
+            state.weights, self.draft_cfg, state.cache, tokens_bs, length_b, key, num_draft_tokens, sampling
+        )
+        return tokens, probs, dataclasses.replace(state, cache=cache)

@@ -1,0 +1,77 @@
+"""Prompt-lookup (n-gram) drafting in JAX: copy what followed the most recent earlier occurrence of the text's tail.
+
+The proposal is a deterministic function of the committed text, so its draft_probs are one-hot on the proposed
+tokens — that is the exact distribution it was drawn from, and the acceptance rule stays exact at any temperature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig
+from specjax.errors import InputError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NgramDrafter:
+    """Matches the last `max_n` tokens (falling back to shorter tails down to `min_n`) in prompt + generated text.
+
+    Among the earlier occurrences of the longest matching tail, the most recent one wins, and the K tokens that
+    followed it are proposed. Where that continuation runs into the tail itself, it continues periodically (a
+    repetition loop is predicted to go on). Rows without any match propose their last token repeated.
+    """
+
+    max_n: int = dataclasses.field(default=3, metadata=dict(static=True))
+    min_n: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.min_n < 1 or self.max_n < self.min_n:
+            raise InputError(f"n-gram sizes must satisfy 1 <= min_n <= n, got n={self.max_n}, min_n={self.min_n}")
+
+    def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
+        pass
+
+    def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> tuple:
+        return ()
+
+    def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
+        """See `Drafter.propose`; `key` and `sampling` are unused (the proposal is deterministic)."""
+        draft_bk = ngram_proposal(tokens_bs, length_b, num_draft_tokens, self.max_n, self.min_n)
+        return draft_bk, jax.nn.one_hot(draft_bk, vocab_size, dtype=jnp.float32), state
+
+
+def ngram_proposal(tokens_bs: jax.Array, length_b: jax.Array, k: int, max_n: int, min_n: int = 1) -> jax.Array:
+    """K proposed tokens per row by prompt lookup (see NgramDrafter).
+
+    Args:
+      tokens_bs: int32 [B, S] committed tokens; slots >= length_b are ignored.
+      length_b: int32 [B] committed tokens per row (>= 1).
+      k: static number of tokens to propose.
+      max_n, min_n: static; the longest and shortest tail lengths tried.
+    Returns:
+      int32 [B, K].
+    """
+    B, S = tokens_bs.shape
+    ends = jnp.arange(S)[None, :]  # a candidate earlier occurrence ends at slot e (matching the pending token)
+    run = jnp.ones((B, S), bool)
+    match_len = jnp.zeros((B, S), jnp.int32)
+    for t in range(max_n):
+        src = ends - t
+        tail = length_b[:, None] - 1 - t
+        here = jnp.take_along_axis(tokens_bs, jnp.clip(src, 0, S - 1), axis=1)
+        want = jnp.take_along_axis(tokens_bs, jnp.clip(tail, 0, S - 1), axis=1)
+        run = run & (src >= 0) & (tail >= 0) & (here == want)
+        match_len = match_len + run
+    valid = (ends < length_b[:, None] - 1) & (match_len >= min_n)
+    score = jnp.where(valid, match_len * S + ends, -1)  # longest tail first, then the most recent occurrence
+    best = jnp.argmax(score, axis=1)
+    found = jnp.max(score, axis=1) >= 0
+    period = jnp.maximum(length_b - 1 - best, 1)  # the continuation repeats with this period past the tail
+    src = best[:, None] + 1 + jnp.arange(k)[None, :] % period[:, None]
+    proposal = jnp.take_along_axis(tokens_bs, jnp.clip(src, 0, S - 1), axis=1)
+    last = jnp.take_along_axis(tokens_bs, (length_b - 1)[:, None], axis=1)
+    return jnp.where(found[:, None], proposal, last).astype(jnp.int32)

@@ -1,0 +1,279 @@
+"""The speculative loop on tiny random models: greedy identity with autoregressive decoding for every drafter,
+the target distribution at temperature > 0 (and a broken rule that misses it), cache state, tracing, bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax.speculative as spec
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
+from specjax.errors import InputError
+from specjax.generate import generate as ar_generate
+from specjax.generate import pack_prompts
+from specjax.kv_cache import KVCache
+from specjax.models.llama import forward, init_weights
+
+CFG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
+WEIGHTS = init_weights(CFG, jax.random.key(0), scale=0.3)
+OTHER = init_weights(CFG, jax.random.key(1), scale=0.3)  # an unrelated draft model: its first draft is mostly wrong
+PROMPTS = [[5, 6, 7], list(range(10, 31)), [42], [3, 9, 27, 17, 51, 25, 11]]
+MAX_NEW = 20
+
+DRAFTERS = {
+    "ngram": NgramDrafter(max_n=2),
+    "layerskip": LayerSkipDrafter(WEIGHTS, CFG, 1),
+    "same_model": ModelDrafter(WEIGHTS, CFG),  # every draft is accepted
+    "other_model": ModelDrafter(OTHER, CFG),  # shares the compilation of same_model
+}
+
+
+def outputs(result):
+    return [c.output_ids for c in result.completions]
+
+
+@pytest.fixture(scope="module")
+def ar_batch():
+    return outputs(ar_generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=()))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_greedy_batch_identical_to_autoregressive(name, k, ar_batch):
+    result = spec.generate(
+        WEIGHTS, CFG, PROMPTS, drafter=DRAFTERS[name], num_draft_tokens=k, max_new_tokens=MAX_NEW, eos_ids=()
+    )
+    assert outputs(result) == ar_batch
+    hist = result.stats.accepted_histogram
+    assert len(hist) == k + 1 and len(result.stats.acceptance_by_position) == k
+    if name == "same_model":
+        assert hist[:k] == [0] * k and result.stats.mean_accepted == k + 1
+        assert result.stats.rounds == -(-(MAX_NEW - 1) // (k + 1))
+    if name == "other_model":
+        assert hist[0] > sum(hist) / 2  # mostly "first draft rejected", and still identical
+
+
+@pytest.mark.parametrize("name", ["ngram", "layerskip", "other_model"])
+def test_greedy_batch_of_one_identical_to_autoregressive(name, ar_batch):
+    for prompt, expected in zip(PROMPTS, ar_batch):
+        result = spec.generate(
+            WEIGHTS, CFG, [prompt], drafter=DRAFTERS[name], num_draft_tokens=5, max_new_tokens=MAX_NEW, eos_ids=()
+        )
+        assert outputs(result) == [expected]
+
+
+def test_rows_stop_at_eos_and_limit_independently(ar_batch):
+    eos = ar_batch[1][3]  # a token row 1 emits mid-way; other rows may emit it too, or never
+    ar = outputs(ar_generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=[eos]))
+    # Every draft is accepted, so EOS often lands inside an accepted run: the row is cut right after it.
+    result = spec.generate(
+        WEIGHTS, CFG, PROMPTS, drafter=DRAFTERS["same_model"], num_draft_tokens=5, max_new_tokens=MAX_NEW, eos_ids=[eos]
+    )
+    assert outputs(result) == ar
+    for c in result.completions:
+        assert c.finish_reason == ("stop" if eos in c.output_ids else "length")
+        assert eos not in c.output_ids[:-1] and len(c.output_ids) <= MAX_NEW
+    assert len(ar[1]) == 4
+
+
+def test_cache_equals_fresh_prefill_and_traces_once(monkeypatch):
+    traces = []
+    original = spec.prefill
+    monkeypatch.setattr(spec, "prefill", lambda *a, **k: traces.append(1) or original(*a, **k))
+    spec.speculative_decode.clear_cache()
+    sampling = SamplingConfig(temperature=1.0, top_k=20)
+    drafter = DRAFTERS["other_model"]
+    tokens, lengths = pack_prompts(PROMPTS, 4)
+    static = dict(cfg=CFG, sampling=sampling, num_draft_tokens=3, max_new_tokens=15, eos_ids=())
+    first = spec.speculative_decode(WEIGHTS, drafter, tokens, lengths, jax.random.key(0), **static)
+    tokens2, lengths2 = pack_prompts(PROMPTS[::-1], 4)
+    spec.speculative_decode(WEIGHTS, drafter, tokens2, lengths2, jax.random.key(1), **static)
+    assert len(traces) == 1
+
+    state = first.state
+    hist = np.asarray(first.accepted_hist)
+    assert hist[0] > 0 and hist[1:].sum() > 0  # both rejections and acceptances happened
+    length = np.asarray(state.length_b)
+    assert np.all(length == lengths + 15) and np.all(np.asarray(state.cache.lengths) == length - 1)
+    committed = np.asarray(state.tokens_bs)[:, : length.max() - 1]
+    B, T = committed.shape
+    _, _, fresh = forward(
+        WEIGHTS, CFG, jnp.asarray(committed), jnp.broadcast_to(jnp.arange(T), (B, T)), KVCache.empty(CFG, B, T)
+    )
+    for b in range(B):
+        n = length[b] - 1
+        np.testing.assert_allclose(state.cache.k[:, b, :n], fresh.k[:, b, :n], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(state.cache.v[:, b, :n], fresh.v[:, b, :n], rtol=1e-4, atol=1e-5)
+
+
+def test_generate_reuses_the_executable():
+    kw = dict(drafter=DRAFTERS["ngram"], num_draft_tokens=3, max_new_tokens=6, sampling=SamplingConfig(0.8))
+    first = spec.generate(WEIGHTS, CFG, PROMPTS, seed=0, **kw)
+    second = spec.generate(WEIGHTS, CFG, PROMPTS[::-1], seed=1, **kw)
+    again = spec.generate(WEIGHTS, CFG, PROMPTS, seed=0, **kw)
+    assert second.compile_seconds == 0 and again.compile_seconds == 0
+    assert outputs(again) == outputs(first)
+    assert first.stats.tokens_per_s > 0 and first.stats.rounds >= 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Distribution: the first 3 tokens of many rows against the target's exact joint distribution.
+
+TOY = ModelConfig("llama", 8, 16, 32, 2, 2, 1, 8, max_position_embeddings=64)
+TOY_TARGET = init_weights(TOY, jax.random.key(10), scale=0.5)
+TOY_DRAFT = ModelDrafter(init_weights(TOY, jax.random.key(11), scale=0.5), TOY)
+TOY_PROMPT = [3, 5]
+SAMPLES = 32768
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ClaimedProbs:
+    """Samples drafts from its model but reports other draft_probs: "one_hot" (the draft as certain — still exact,
+    it only accepts less) or "uniform" (not the distribution the draft came from — broken)."""
+
+    inner: ModelDrafter
+    claim: str = dataclasses.field(metadata=dict(static=True))
+
+    def validate(self, target_cfg, k):
+        pass
+
+    def init(self, *a):
+        return self.inner.init(*a)
+
+    def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens, vocab_size, sampling):
+        tokens, _, state = self.inner.propose(
+            state, tokens_bs, length_b, key, num_draft_tokens=num_draft_tokens, vocab_size=vocab_size,
+            sampling=sampling,
+        )  # fmt: skip
+        if self.claim == "one_hot":
+            return tokens, jax.nn.one_hot(tokens, vocab_size), state
+        return tokens, jnp.full(tokens.shape + (vocab_size,), 1.0 / vocab_size), state
+
+
+def exact_joint(sampling):
+    """P(t1, t2, t3 | prompt) under target sampling, by enumeration: [V, V, V]."""
+    V = TOY.vocab_size
+    t1, t2 = np.meshgrid(np.arange(V), np.arange(V), indexing="ij")
+    seqs = np.stack([np.full(V * V, TOY_PROMPT[0]), np.full(V * V, TOY_PROMPT[1]), t1.ravel(), t2.ravel()], 1)
+    B, T = seqs.shape
+    logits, _, _ = jax.jit(forward, static_argnums=1)(
+        TOY_TARGET, TOY, jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(T), (B, T)), KVCache.empty(TOY, B, T)
+    )
+    probs = np.asarray(spec.probabilities(logits, sampling), np.float64).reshape(V, V, T, V)
+    p1 = probs[0, 0, 1]  # [V]
+    p2 = probs[:, 0, 2]  # [t1, V]
+    p3 = probs[:, :, 3]  # [t1, t2, V]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sampled_joint(sampling, drafter, k=2, seed=0):
+    tokens = np.tile(np.array(TOY_PROMPT, np.int32), (SAMPLES, 1))  # unpadded: [SAMPLES, 2]
+    lengths = np.full((SAMPLES,), len(TOY_PROMPT), np.int32)
+    out = spec.speculative_decode(
+        TOY_TARGET, drafter, tokens, lengths, jax.random.key(seed),
+        cfg=TOY, sampling=sampling, num_draft_tokens=k, max_new_tokens=3, eos_ids=(),
+    ).out_bn  # fmt: skip
+    V = TOY.vocab_size
+    flat = np.asarray(out) @ np.array([V * V, V, 1])
+    return np.bincount(flat, minlength=V**3).reshape(V, V, V) / SAMPLES
+
+
+def tv_bound(exact):
+    """About 2x the expected total variation of SAMPLES draws from `exact` (sampling noise alone)."""
+    p = exact.ravel()
+    return 2.0 * 0.5 * np.sum(np.sqrt(2 * p * (1 - p) / (np.pi * SAMPLES)))
+
+
+def tv(a, b):
+    return 0.5 * np.abs(a - b).sum()
+
+
+SAMPLINGS = {
+    "t1": SamplingConfig(temperature=1.0),
+    "top_k": SamplingConfig(temperature=1.0, top_k=3),
+    "top_p": SamplingConfig(temperature=1.0, top_p=0.8),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_sampled_distribution_equals_target(name):
+    sampling = SAMPLINGS[name]
+    exact = exact_joint(sampling)
+    assert abs(exact.sum() - 1) < 1e-5
+    empirical = sampled_joint(sampling, TOY_DRAFT)
+    assert tv(empirical, exact) < tv_bound(exact), (tv(empirical, exact), tv_bound(exact))
+    if name == "t1":  # treating the draft token as certain (q = 1) is exact too, it only accepts less
+        one_hot = sampled_joint(sampling, ClaimedProbs(TOY_DRAFT, "one_hot"))
+        assert tv(one_hot, exact) < tv_bound(exact), (tv(one_hot, exact), tv_bound(exact))
+
+
+def test_broken_rules_miss_the_target_distribution(monkeypatch):
+    sampling = SAMPLINGS["top_k"]
+    exact = exact_joint(sampling)
+    bound = tv_bound(exact)
+    # 1. draft_probs that are not the distribution the draft was drawn from.
+    liar = sampled_joint(sampling, ClaimedProbs(TOY_DRAFT, "uniform"))
+    assert tv(liar, exact) > 2 * bound, (tv(liar, exact), bound)
+    # 2. Resampling from the target after a rejection instead of the residual max(0, target - draft).
+    monkeypatch.setattr(spec, "residual_probs", lambda target_probs, draft_probs: target_probs)
+    spec.speculative_decode.clear_cache()  # jit caches traces per function: retrace with the broken rule
+    try:
+        wrong = sampled_joint(sampling, TOY_DRAFT)
+    finally:
+        spec.speculative_decode.clear_cache()
+    assert tv(wrong, exact) > 2 * bound, (tv(wrong, exact), bound)
+
+
+def test_acceptance_rules_on_fixed_distributions():
+    target = jnp.array([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]])  # [B=1, K+1=2, V=3]
+    draft = jnp.array([[[0.0, 0.0, 1.0]]])  # the draft proposes token 2, which the target never emits
+    n, nxt = spec.speculative_accept(jax.random.key(0), jnp.array([[2]]), draft, target)
+    assert int(n[0]) == 0 and int(nxt[0]) in (0, 1)
+    same = jnp.array([[[0.5, 0.5, 0.0]]])
+    keys = jax.random.split(jax.random.key(1), 200)
+    ns, _ = jax.jit(jax.vmap(lambda k: spec.speculative_accept(k, jnp.array([[1]]), same, target)))(keys)
+    assert np.all(np.asarray(ns) == 1)  # draft == target: always accepted, bonus drawn from the last position
+    np.testing.assert_allclose(spec.residual_probs(target[:, 0], draft[:, 0]), [[0.5, 0.5, 0.0]])
+    np.testing.assert_allclose(spec.residual_probs(same[:, 0], same[:, 0]), same[:, 0])  # 0 residual: defined
+    n, nxt = spec.greedy_accept(jnp.array([[4, 7, 9], [4, 2, 9]]), jnp.array([[4, 7, 9, 3], [4, 7, 9, 3]]))
+    assert n.tolist() == [3, 1] and nxt.tolist() == [3, 7]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input.
+
+
+def test_bad_input():
+    def run(**kw):
+        args = dict(drafter=DRAFTERS["ngram"], num_draft_tokens=3, max_new_tokens=4) | kw
+        return spec.generate(WEIGHTS, CFG, [[2, 3]], **args)
+
+    for k in (0, -1, spec.MAX_DRAFT_TOKENS + 1):
+        with pytest.raises(InputError, match="draft tokens"):
+            run(num_draft_tokens=k)
+    small_vocab = dataclasses.replace(TOY, vocab_size=32)
+    with pytest.raises(InputError, match="vocabulary"):
+        run(drafter=ModelDrafter(init_weights(small_vocab, jax.random.key(0)), small_vocab))
+    with pytest.raises(InputError, match="n-gram"):
+        NgramDrafter(max_n=0)
+    for n in (0, 2, -1):
+        with pytest.raises(InputError, match="layer-skip"):
+            LayerSkipDrafter(WEIGHTS, CFG, n)
+    with pytest.raises(InputError, match="max_new_tokens"):
+        run(max_new_tokens=0)
+    with pytest.raises(InputError, match="maximum length"):
+        run(max_new_tokens=127)
+    with pytest.raises(InputError, match="not a drafter"):
+        run(drafter=object())
+
+
+def test_batch_padding_rows_do_not_change_results_or_statistics(ar_batch):
+    kw = dict(drafter=DRAFTERS["ngram"], num_draft_tokens=3, max_new_tokens=MAX_NEW, eos_ids=())
+    a = spec.generate(WEIGHTS, CFG, PROMPTS[1:2], **kw)
+    b = spec.generate(WEIGHTS, CFG, PROMPTS[1:2], batch_size=4, **kw)
+    assert outputs(a) == outputs(b) == [ar_batch[1]]
+    assert a.stats.accepted_histogram == b.stats.accepted_histogram and a.stats.rounds == b.stats.rounds
