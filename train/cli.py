@@ -28,9 +28,9 @@ def parser() -> cli.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    stages = list(STAGES) if args.stages == "all" else [s.strip() for s in args.stages.split(",") if s.strip()]
+    stages = ["all"] if args.stages == "all" else [s.strip() for s in args.stages.split(",") if s.strip()]
     run(cfg, stages)
-    print(f"done: {', '.join(stages)} -> {cfg.output_dir}", file=sys.stderr)
+    print(f"done: {args.stages} -> {cfg.output_dir}", file=sys.stderr)
 
 
 def entry(argv: Sequence[str] | None = None) -> None:

@@ -6,6 +6,7 @@ Unknown keys and values of the wrong type are errors that list what is valid.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -140,6 +141,14 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         return tuple(_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        # YAML 1.1 (PyYAML) reads "1e-4" (no dot) as a string; accept what Python reads as a finite number.
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if math.isfinite(number):
+            return number
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise InputError(f"{where} must be {hint.__name__}, got {value!r}")
     return value

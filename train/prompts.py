@@ -81,7 +81,7 @@ def _stub(obj) -> str | None:
 
 
 def stdlib_stubs(exclude_names: set[str]) -> list[str]:
-    """Function stubs from the standard library of the running Python, in a deterministic order."""
+    """Function and method stubs from the standard library of the running Python, in a deterministic order."""
     stubs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -93,10 +93,15 @@ def stdlib_stubs(exclude_names: set[str]) -> list[str]:
             except Exception:  # noqa: BLE001 - platform-specific modules fail in many ways
                 continue
             for attr, obj in sorted(vars(module).items()):
-                if attr.startswith("_") or attr in exclude_names:
+                if attr.startswith("_") or getattr(obj, "__module__", None) != name:
                     continue
-                if inspect.isfunction(obj) and obj.__module__ == name and (stub := _stub(obj)):
-                    stubs.append(stub)
+                # Module functions, and the methods of the module's classes.
+                members = sorted(vars(obj).items()) if inspect.isclass(obj) else [(attr, obj)]
+                for member_name, member in members:
+                    if member_name.startswith("_") or member_name in exclude_names or not inspect.isfunction(member):
+                        continue
+                    if stub := _stub(member):
+                        stubs.append(stub)
     return stubs
 
 

@@ -26,13 +26,15 @@ from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.sharding import make_mesh
 from train.batches import BatchSource
 from train.config import TrainConfig, config_to_dict
-from train.data import load_samples, regenerate
+from train.data import load_prompts, load_samples, regenerate
 from train.trainer import Trainer, checkpoint_manager, restore_latest, train
 from train.vocab import draft_vocab, load_vocab, save_vocab
 
 STAGES = ("regenerate", "vocab", "train", "evaluate", "export")
-# Sections that define the run: a resumed run must agree on them (training.steps may grow).
-_FROZEN_SECTIONS = ("model", "data", "training", "mesh")
+# Sections that define what a run has already produced: a resumed run must agree on them (training.steps may grow).
+# The training sections bind only once the train stage has started.
+_DATA_SECTIONS = ("model", "data")
+_TRAIN_SECTIONS = ("training", "mesh")
 
 
 def maybe_initialize_distributed(cfg: TrainConfig) -> None:
@@ -50,7 +52,8 @@ def record_config(cfg: TrainConfig) -> None:
     current = config_to_dict(cfg)
     if path.exists():
         previous = json.loads(path.read_text())
-        for section in _FROZEN_SECTIONS:
+        trained = (cfg.output_path / "train").exists()
+        for section in _DATA_SECTIONS + (_TRAIN_SECTIONS if trained else ()):
             a, b = dict(previous.get(section, {})), dict(current[section])
             if section == "training":
                 a.pop("steps", None), b.pop("steps", None)
@@ -59,8 +62,11 @@ def record_config(cfg: TrainConfig) -> None:
                     f"{cfg.output_dir} holds a run made with different {section} settings; "
                     "choose another output_dir or restore the original config"
                 )
+    text = json.dumps(current, indent=1)
+    if path.exists() and path.read_text() == text:
+        return  # the same run: leave the record (and its mtime) alone
     cfg.output_path.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(current, indent=1))
+    path.write_text(text)
 
 
 def head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
@@ -73,6 +79,25 @@ def head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
     return dataclasses.replace(base, **overrides)
 
 
+def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
+    """Checks everything that can be checked before any stage writes: the mesh against the devices, the batch
+    against the mesh, the head against the target, the prompts file. Raises InputError; writes nothing.
+
+    Without it these mistakes surfaced only in the train stage, after a regeneration that may take hours.
+    """
+    if "regenerate" in stages and cfg.data.prompts != "builtin":
+        load_prompts(cfg.data)  # a missing, malformed or short prompts file
+    if {"train", "evaluate", "export"} & set(stages):
+        head_config(cfg, model)  # tap layers / vocabulary sizes against the target
+        mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
+        replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+        if cfg.training.batch_size % replicas:
+            raise InputError(
+                f"training.batch_size={cfg.training.batch_size} does not divide over mesh data x fsdp = {replicas} "
+                "devices; make it a multiple"
+            )
+
+
 def stage_regenerate(cfg: TrainConfig, model: LoadedModel) -> None:
     regenerate(model, cfg.data, cfg.output_path / "data")
 
@@ -81,6 +106,7 @@ def stage_vocab(cfg: TrainConfig, model: LoadedModel) -> None:
     samples = load_samples(cfg.output_path / "data")
     d2t, t2d, coverage = draft_vocab(samples, model.cfg.vocab_size, cfg.model.draft_vocab_size)
     save_vocab(cfg.output_path / "vocab.npz", d2t, t2d)
+    (cfg.output_path / "vocab.json").write_text(json.dumps({"draft_vocab_size": len(d2t), "coverage": coverage}))
     print(f"draft vocabulary: {len(d2t)} tokens cover {coverage:.2%} of assistant tokens", file=sys.stderr)
 
 
@@ -104,25 +130,46 @@ def stage_train(cfg: TrainConfig, model: LoadedModel, stop_after: int | None = N
 
 def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
     trainer, _ = build_trainer(cfg, model)
-    state = restore_latest(trainer, checkpoint_manager(trainer, cfg.output_path / "train"))
+    manager = checkpoint_manager(trainer, cfg.output_path / "train")
+    try:
+        state = restore_latest(trainer, manager)
+    finally:
+        manager.close()
     if int(state["step"]) == 0:
         raise InputError(f"{cfg.output_dir}/train holds no checkpoint; run the train stage first")
-    head = trainer.export_head(state)
+    head = trainer.export_head(state)  # every process takes part in the gather
     folder = cfg.output_path / "export"
-    save_eagle3(folder, head.cfg, head, dtype=jnp.bfloat16)
+    if jax.process_index() == 0:  # one writer
+        save_eagle3(folder, head.cfg, head, dtype=jnp.bfloat16)
     return folder
 
 
 def run(cfg: TrainConfig, stages: list[str]) -> None:
-    """Runs the given stages in pipeline order."""
+    """Runs the given stages (names from STAGES, or ["all"]) in pipeline order, after checking what can be checked
+    before anything is written."""
+    skipped = []
+    if list(stages) == ["all"]:
+        stages = [s for s in STAGES if s in IMPLEMENTED]
+        skipped = [s for s in STAGES if s not in IMPLEMENTED]
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise InputError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)} or all")
+    missing = [s for s in stages if s not in IMPLEMENTED]
+    if missing:
+        raise InputError(
+            f"the {', '.join(missing)} stage is not available yet; run the others "
+            f"(--stages {','.join(s for s in STAGES if s in IMPLEMENTED)})"
+        )
     maybe_initialize_distributed(cfg)
     model = load_model(cfg.model.target)
+    validate(cfg, model, stages)
     record_config(cfg)
+    if skipped:
+        print(f"note: the {', '.join(skipped)} stage is not available yet; skipped", file=sys.stderr)
     for stage in (s for s in STAGES if s in stages):
         print(f"== {stage}", file=sys.stderr)
-        {"regenerate": stage_regenerate, "vocab": stage_vocab, "train": stage_train, "export": stage_export}[stage](
-            cfg, model
-        )
+        IMPLEMENTED[stage](cfg, model)
+
+
+# The stages that exist so far (evaluate is still to come).
+IMPLEMENTED = {"regenerate": stage_regenerate, "vocab": stage_vocab, "train": stage_train, "export": stage_export}

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
@@ -90,10 +91,21 @@ class Trainer:
         params = jax.tree_util.tree_map_with_path(lambda path, p: to_global(p, head_shardings[path[0].key]), params)
         self.batch_sharding = NamedSharding(mesh, partition_spec(("batch", None), (cfg.training.batch_size, 1), mesh,
                                                                  TRAIN_RULES))  # fmt: skip
-        opt_state = jax.jit(self.optimizer.init)(params)
-        self.initial_state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
-        self.state_shardings = jax.tree.map(lambda x: x.sharding, self.initial_state)
+        # Every leaf of the state lives on the mesh: Adam's moments shaped and sharded like the weights, scalars
+        # (step counts) replicated. Left to themselves, jit puts constant outputs on one device, which a step over
+        # several devices (or processes) refuses.
         replicated = NamedSharding(mesh, PartitionSpec())
+        opt_shardings = optax.tree_map_params(
+            self.optimizer,
+            lambda _, sharding: sharding,
+            jax.eval_shape(self.optimizer.init, params),
+            jax.tree.map(lambda p: p.sharding, params),
+            transform_non_params=lambda _: replicated,
+        )
+        opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
+        step = to_global(np.zeros((), np.int32), replicated)
+        self.initial_state = {"params": params, "opt_state": opt_state, "step": step}
+        self.state_shardings = jax.tree.map(lambda x: x.sharding, self.initial_state)
         self._step = jax.jit(
             self._train_step,
             in_shardings=(self.state_shardings, target_shardings, {"tokens": self.batch_sharding,
@@ -134,7 +146,8 @@ class Trainer:
 
     def export_head(self, state: dict) -> Eagle3Head:
         """The head with the trained weights, gathered to host memory."""
-        return self.head(jax.tree.map(lambda x: jnp.asarray(np.asarray(jax.device_get(x))), state["params"]))
+        # process_allgather: on several hosts, a sharded weight is not all addressable from one process.
+        return self.head(jax.tree.map(lambda x: jnp.asarray(process_allgather(x, tiled=True)), state["params"]))
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -184,36 +197,42 @@ def train(
     manager = checkpoint_manager(trainer, run_dir)
     state = restore_latest(trainer, manager)
     metrics_path = run_dir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, int(state["step"]))
+    if jax.process_index() == 0:  # one writer: the other processes of a multi-host run share this folder
+        _truncate_metrics(metrics_path, int(state["step"]))
     start = int(state["step"])
     end = cfg.training.steps if stop_after is None else min(cfg.training.steps, stop_after)
     tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
     bar = tqdm(range(start, end), initial=start, total=cfg.training.steps, desc="train", file=sys.stderr,
                disable=jax.process_index() != 0)  # fmt: skip
-    with open(metrics_path, "a", encoding="utf-8") as log:
-        t0 = time.perf_counter()
-        for step in bar:
-            state, metrics = trainer.step(state, source.batch(step))
-            host = jax.tree.map(lambda x: np.asarray(x).tolist(), jax.device_get(metrics))
-            if not math.isfinite(host["loss"]):
-                raise TrainingDiverged(
-                    f"the loss became {host['loss']} at step {step + 1}; the last good checkpoint "
-                    f"(step {manager.latest_step()}) is intact: lower training.learning_rate and run again to resume"
-                )
-            done = step + 1
-            rate = tokens_per_step / (time.perf_counter() - t0)
+    try:
+        with open(metrics_path, "a", encoding="utf-8") as log:
             t0 = time.perf_counter()
-            bar.set_postfix(loss=f"{host['loss']:.3f}", acc0=f"{host['acc_k'][0]:.2f}", tok_s=f"{rate:.0f}")
-            if done % cfg.logging.every == 0 or done == end:
-                record = {"step": done, "loss": host["loss"], "loss_k": host["loss_k"], "acc_k": host["acc_k"],
-                          "grad_norm": host["grad_norm"], "tokens_per_s": rate}  # fmt: skip
-                if jax.process_index() == 0:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-            if on_step is not None:
-                on_step(done, host)
-            if done % cfg.checkpoint.every == 0 or done == end:
-                manager.save(done, args=ocp.args.StandardSave(state))
-    manager.wait_until_finished()
-    manager.close()
+            for step in bar:
+                state, metrics = trainer.step(state, source.batch(step))
+                host = jax.tree.map(lambda x: np.asarray(x).tolist(), jax.device_get(metrics))
+                if not math.isfinite(host["loss"]):
+                    raise TrainingDiverged(
+                        f"the loss became {host['loss']} at step {step + 1}; the last good checkpoint "
+                        f"(step {manager.latest_step()}) is intact: lower training.learning_rate and run again "
+                        "to resume"
+                    )
+                done = step + 1
+                rate = tokens_per_step / (time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                bar.set_postfix(loss=f"{host['loss']:.3f}", acc0=f"{host['acc_k'][0]:.2f}", tok_s=f"{rate:.0f}")
+                if done % cfg.logging.every == 0 or done == end:
+                    record = {"step": done, "loss": host["loss"], "loss_k": host["loss_k"], "acc_k": host["acc_k"],
+                              "grad_norm": host["grad_norm"], "tokens_per_s": rate}  # fmt: skip
+                    if jax.process_index() == 0:
+                        log.write(json.dumps(record) + "\n")
+                        log.flush()
+                if on_step is not None:
+                    on_step(done, host)
+                if done % cfg.checkpoint.every == 0 or done == end:
+                    manager.save(done, args=ocp.args.StandardSave(state))
+    finally:
+        # Also on an error (divergence, interrupt): a checkpoint being written in the background is completed, so
+        # the newest checkpoint on disk is whole and the next run resumes from it.
+        manager.wait_until_finished()
+        manager.close()
     return state

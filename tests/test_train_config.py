@@ -1,0 +1,68 @@
+"""The training config schema: YAML + overrides, unknown keys and wrong types are errors that say what is valid."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specjax.errors import InputError
+from train.config import TrainConfig, _build, config_to_dict, load_config
+
+SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+
+
+def test_smoke_config_and_overrides():
+    cfg = load_config(SMOKE, ["training.steps=5", "model.tap_layers=[0, 1, 2]", "output_dir=/tmp/x"])
+    assert cfg.training.steps == 5 and cfg.model.tap_layers == (0, 1, 2) and cfg.output_dir == "/tmp/x"
+    assert cfg.model.target == "tiny-random" and cfg.training.learning_rate == 3e-3
+    assert load_config(None) == TrainConfig()
+
+
+def test_float_fields_accept_ints_and_exponent_strings():
+    # PyYAML reads `1e-4` (no dot) as a string: it must still be a learning rate.
+    cfg = load_config(None, ["training.learning_rate=1e-4", "training.grad_clip=1"])
+    assert cfg.training.learning_rate == 1e-4 and cfg.training.grad_clip == 1.0
+    assert isinstance(cfg.training.grad_clip, float)
+
+
+def test_unknown_key_lists_the_valid_ones():
+    with pytest.raises(InputError, match=r"training\.stpes.*valid keys in training: .*steps"):
+        load_config(SMOKE, ["training.stpes=3"])
+    with pytest.raises(InputError, match="unknown config key.*valid keys: .*training"):
+        load_config(None, ["trainnig.steps=3"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("training.steps=ten", "training.steps must be int"),
+        ("training.steps=2.5", "training.steps must be int"),
+        ("training.steps=true", "training.steps must be int"),
+        ("training.learning_rate=fast", "training.learning_rate must be float"),
+        ("model.tap_layers=3", "model.tap_layers must be a list"),
+        ("model.tap_layers=[1, x]", r"model.tap_layers\[1\] must be int"),
+        ("training=3", "training must be a mapping"),
+        ("training.steps=0", "must be >= 1: training.steps=0"),
+        ("training.learning_rate=-1.0", "learning_rate must be > 0"),
+        ("training.steps", "not of the form section.key=value"),
+    ],
+)
+def test_wrong_values_are_errors(override, message):
+    with pytest.raises(InputError, match=message):
+        load_config(SMOKE, [override])
+
+
+def test_missing_or_malformed_file(tmp_path):
+    with pytest.raises(InputError, match="cannot read config"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: [1,\n")
+    with pytest.raises(InputError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(SMOKE, ["model.tap_layers=[0, 1, 2]"])
+    raw = config_to_dict(cfg)
+    assert raw["model"]["tap_layers"] == [0, 1, 2]
+    assert _build(TrainConfig, yaml.safe_load(yaml.safe_dump(raw)), "") == cfg

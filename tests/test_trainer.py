@@ -1,0 +1,272 @@
+"""The EAGLE-3 trainer: sharded and multi-process steps equal single-device ones, exact resume after SIGKILL,
+divergence stops with the last checkpoint intact, bad CLI input is one line and writes nothing, the smoke pipeline."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import train_tiny  # noqa: E402
+
+from specjax.errors import SpecjaxError  # noqa: E402
+from train.cli import entry  # noqa: E402
+from train.trainer import TrainingDiverged, checkpoint_manager, restore_latest, train  # noqa: E402
+
+SMOKE = ROOT / "configs" / "smoke.yaml"
+
+
+_CACHE: list[Path] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    """Subprocesses that compile the same step (kill, resume, uninterrupted) share a fresh persistent cache."""
+    _CACHE.append(tmp_path_factory.mktemp("jax-cache"))
+    yield
+    _CACHE.clear()
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    if _CACHE:
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=str(_CACHE[0]),
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+        )
+    return env
+
+
+def _script(name: str, *args) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(HERE / name), *map(str, args)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 400) -> str:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{out[-2000:]}\n{err[-4000:]}"
+    return out
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- 3. fake devices ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single_device_losses():
+    """The first 3 losses of the tiny setup on one device (this process)."""
+    _, trainer, source = train_tiny.build(mesh_axes={"data": 1, "fsdp": 1, "tensor": 1})
+    return train_tiny.first_losses(trainer, source, 3)
+
+
+def test_sharded_meshes_equal_single_device(single_device_losses):
+    """8 fake CPU devices, meshes data x fsdp x tensor = 2x2x2 and 8x1x1: the first 3 losses equal a single device's
+    (the script also asserts that weights, Adam moments and batches really are split)."""
+    out = _finish(_script("train_sharded.py", "2,2,2", "8,1,1"))
+    lines = [line.split() for line in out.splitlines() if line.startswith("losses")]
+    assert [tuple(map(int, line[1:4])) for line in lines] == [(2, 2, 2), (8, 1, 1)], out
+    assert "q" in lines[0][-1].split(",")  # 2x2x2: the head's q projection is split
+    for line in lines:
+        np.testing.assert_allclose(json.loads(line[4]), single_device_losses, rtol=1e-5)
+
+
+# -- 4. two processes --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(tmp_path, single_device_losses):
+    """jax.distributed on localhost with gloo CPU collectives, one device per process, mesh data=2: the same losses
+    as one device; checkpoints and metrics are written once, and both processes export the same head."""
+    port = _free_port()
+    workers = [_script("train_multiprocess.py", port, 2, i, tmp_path) for i in range(2)]
+    outs = [_finish(p) for p in workers]
+
+    def field(out, name):
+        return json.loads(next(line for line in out.splitlines() if line.startswith(name + " "))[len(name) + 1 :])
+
+    for out in outs:
+        np.testing.assert_allclose(field(out, "losses"), single_device_losses, rtol=1e-5)
+    assert field(outs[0], "head") == field(outs[1], "head")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
+    assert [m["step"] for m in _metrics(tmp_path)] == [1, 2, 3]
+
+
+# -- 5. SIGKILL and resume ---------------------------------------------------------------------------------------
+
+
+def test_sigkill_between_checkpoints_then_resume_is_exact(tmp_path):
+    steps = 8
+    victim = _script("train_tiny.py", tmp_path / "killed", steps, "--hang-after=4")
+    try:
+        for line in victim.stdout:
+            if line.strip() == "hanging":  # after step 4, once checkpoint 3 is on disk
+                break
+        else:
+            pytest.fail(f"the run ended before step 4: {victim.stderr.read()[-3000:]}")
+        # Step 4 is logged and the process is between checkpoints 3 and 6.
+        assert [m["step"] for m in _metrics(tmp_path / "killed")] == [1, 2, 3, 4]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=60)
+    finally:
+        victim.kill()
+        victim.communicate()
+    assert victim.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["3"]
+
+    # The resumed run and an uninterrupted one, side by side (both reuse the victim's compiled step).
+    resumed = _script("train_tiny.py", tmp_path / "killed", steps)
+    uninterrupted = _script("train_tiny.py", tmp_path / "whole", steps)
+    resumed_out = _finish(resumed)
+    assert resumed_out.splitlines()[0] == "step 4"  # restarted after checkpoint 3
+    _finish(uninterrupted)
+
+    def comparable(records):
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+    killed, whole = _metrics(tmp_path / "killed"), _metrics(tmp_path / "whole")
+    assert [m["step"] for m in killed] == list(range(1, steps + 1))  # no duplicate or missing steps
+    assert comparable(killed) == comparable(whole)  # bit for bit: exact floats
+
+
+# -- 6. divergence -----------------------------------------------------------------------------------------------
+
+
+def test_nan_loss_stops_with_the_last_checkpoint_intact(tmp_path):
+    _, trainer, source = train_tiny.build(
+        ["training.learning_rate=1e30", "training.warmup_steps=0", "training.steps=8", "checkpoint.every=1",
+         "checkpoint.keep=2"]
+    )  # fmt: skip
+    losses = []
+    with pytest.raises(TrainingDiverged) as info:
+        train(trainer, source, tmp_path, on_step=lambda step, host: losses.append(host["loss"]))
+    assert isinstance(info.value, SpecjaxError)
+    bad_step = len(losses) + 1
+    good = len(losses)
+    assert good >= 1 and all(np.isfinite(losses))
+    assert f"at step {bad_step};" in str(info.value) and f"(step {good})" in str(info.value), str(info.value)
+    # The last good checkpoint restores, and holds finite weights.
+    manager = checkpoint_manager(trainer, tmp_path)
+    assert manager.latest_step() == good
+    state = restore_latest(trainer, manager)
+    manager.close()
+    assert int(state["step"]) == good
+    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(state["params"]))
+    assert [m["step"] for m in _metrics(tmp_path)] == list(range(1, good + 1))
+
+
+# -- 7 and 8. the CLI and the smoke pipeline --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """configs/smoke.yaml run end to end through the CLI into a fresh folder."""
+    out = tmp_path_factory.mktemp("smoke") / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        entry(["--config", str(SMOKE), f"output_dir={out}"])
+        raise SystemExit(0)
+    assert exit_info.value.code in (0, None)
+    return out
+
+
+def test_smoke_pipeline_exports_a_loadable_head(smoke_run):
+    from specjax.io.eagle3_checkpoint import load_eagle3
+    from specjax.io.models import load_model
+    from specjax.kv_cache import KVCache
+    from specjax.models.llama import forward
+
+    out = smoke_run
+    for name in ("data/manifest.json", "vocab.npz", "train/metrics.jsonl", "export/config.json",
+                 "export/model.safetensors", "config.json"):  # fmt: skip
+        assert (out / name).is_file(), name
+    steps = [m["step"] for m in _metrics(out / "train")]
+    assert steps == sorted(set(steps)) and steps[-1] == 24
+
+    with np.load(out / "vocab.npz") as z:
+        d2t, t2d = z["d2t"], z["t2d"]
+    assert d2t.shape == (512,) and t2d.sum() == 512
+    np.testing.assert_array_equal(np.nonzero(t2d)[0], np.arange(len(d2t)) + d2t)
+
+    target = load_model("tiny-random")
+    head_cfg, head = load_eagle3(out / "export", target.cfg)
+    np.testing.assert_array_equal(np.asarray(head.d2t[...]), d2t)
+    tokens = jnp.asarray([[1, 5, 9, 13, 40, 77]], jnp.int32)
+    positions = jnp.arange(6)[None]
+    _, taps, _ = forward(target.weights, target.cfg, tokens, positions, KVCache.empty(target.cfg, 1, 8),
+                         tap_layers=head_cfg.tap_layers)  # fmt: skip
+    embed = head.embed_tokens(jnp.roll(tokens, -1, axis=1), target.weights.embed)
+    logits, out_prenorm, _ = head.step(embed, head.fuse(taps), positions, head.empty_cache(1, 8))
+    assert logits.shape == (1, 6, 512) and bool(jnp.isfinite(logits).all())
+    assert bool(jnp.isfinite(out_prenorm).all())
+
+
+def _snapshot(folder: Path) -> dict:
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["training.stpes=3"], r"unknown config key\(s\) training\.stpes; valid keys in training: .*steps"),
+        (["training.steps=many"], r"training\.steps must be int, got 'many'"),
+        (["data.prompts=/nonexistent/prompts.jsonl"], r"cannot read prompts file '/nonexistent/prompts\.jsonl'"),
+        (["mesh.data=-1", "mesh.fsdp=2"], r"does not divide the 1 available devices"),
+        (["mesh.data=2"], r"needs 2 devices, but 1 are available"),
+        (["model.tap_layers=[1, 2, 9]"], r"tap layers \[1, 2, 9\] must be .* 0\.\.3"),
+        (["training.learning_rate=0.1"], r"holds a run made with different training settings"),
+        (["--stages", "train,evaluate"], r"evaluate stage is not available yet"),
+    ],
+    ids=[
+        "unknown-key",
+        "wrong-type",
+        "missing-prompts",
+        "mesh-indivisible",
+        "mesh-too-big",
+        "tap-layers",
+        "other-config",
+        "unavailable-stage",
+    ],  # fmt: skip
+)
+def test_bad_input_is_one_line_and_writes_nothing(smoke_run, capsys, overrides, message):
+    before = _snapshot(smoke_run)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        entry(["--config", str(SMOKE), f"output_dir={smoke_run}", *overrides])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specjax-train: error: "), err
+    assert "Traceback" not in err
+    assert re.search(message, lines[0]), lines[0]
+    assert _snapshot(smoke_run) == before  # nothing created, changed or touched

@@ -1,0 +1,188 @@
+"""The TTT loss against an independent, row-by-row implementation; lean vs dense cross-step attention; memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
+from train.ttt import dense_ttt_attention, ttt_attention, ttt_loss
+
+V, D, VD = 64, 32, 24
+
+
+def make_head(seed: int = 0, draft_vocab: int = VD) -> Eagle3Head:
+    cfg = Eagle3Config(
+        hidden_size=D, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=V,
+        draft_vocab_size=draft_vocab, target_num_layers=4, tap_layers=(1, 2, 3),
+    )  # fmt: skip
+    rng = np.random.default_rng(seed)  # numpy, not jax.random: no kernel to compile per weight shape
+    weights = {
+        name: (1 + 0.1 * rng.standard_normal(spec.shape) if name in NORMS else 0.2 * rng.standard_normal(spec.shape))
+        for name, spec in param_specs(cfg).items()
+    }
+    head = Eagle3Head(cfg, weights=weights)
+    used = np.sort(rng.choice(V, draft_vocab, replace=False))
+    head.d2t[...] = jnp.asarray(used - np.arange(draft_vocab), jnp.int32)
+    head.t2d[...] = jnp.zeros(V, bool).at[used].set(True)
+    return head
+
+
+def make_inputs(B: int, T: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, V, (B, T)).astype(np.int32)
+    mask = np.zeros((B, T), np.int32)
+    mask[0, 3:] = 1  # prompt of 3, response to the end
+    mask[1, 2 : T - 3] = 1  # response, then 3 padding tokens
+    tokens[1, T - 3 :] = 0
+    taps = rng.normal(size=(B, T, 3 * D)).astype(np.float32)
+    logits = (3 * rng.normal(size=(B, T, V))).astype(np.float32)
+    embed = (0.5 * rng.normal(size=(V, D))).astype(np.float32)
+    return embed, tokens, mask, taps, logits
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def reference_ttt(head, embed, tokens, mask, taps, Z, K, decay):
+    """Row by row, step by step, straight from the alignment in train/ttt.py's docstring (and EAGLE3.md section 5).
+
+    Step k, row t: embedding of x[t+1+k] (id 0 past the end), position t+k, feature F[t] at k = 0 else the previous
+    step's output; attention over the concatenated keys [step-0 rows 0..t, step-1 row t, ..., step-k row t];
+    label softmax(Z[t+1+k]) over the draft vocabulary; counted when mask[t+2+k] = 1; contributes to the loss and
+    accuracy only when argmax Z[t+1+k] is in the draft vocabulary; loss and accuracy are divided by the counted rows.
+    """
+    cfg = head.cfg
+    B, T = tokens.shape
+    N, G, Hd = cfg.num_heads, cfg.group_size, cfg.head_dim
+    draft_ids = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t[...])  # target id of each draft id
+    t2d = np.asarray(head.t2d[...])
+    g = np.asarray(head.fuse(jnp.asarray(taps)))
+    keys, values, losses, accs, rows = [], [], [], [], []
+    for k in range(K):
+        emb = np.zeros((B, T, D), np.float32)
+        for b in range(B):
+            for t in range(T):
+                emb[b, t] = embed[tokens[b, t + 1 + k]] if t + 1 + k < T else embed[0]
+        positions = np.tile(np.arange(T) + k, (B, 1))
+        q, key, value = (np.asarray(a, np.float64) for a in head.qkv(jnp.asarray(emb), jnp.asarray(g), positions))
+        keys.append(key)
+        values.append(value)
+        attn = np.zeros((B, T, N, Hd))
+        for b in range(B):
+            for t in range(T):
+                for n in range(N):
+                    kv = n // G
+                    later = range(1, k + 1)  # the step-i key of row t only
+                    ks = np.concatenate([keys[0][b, : t + 1, kv]] + [keys[i][b, t : t + 1, kv] for i in later])
+                    vs = np.concatenate([values[0][b, : t + 1, kv]] + [values[i][b, t : t + 1, kv] for i in later])
+                    p = _softmax(ks @ q[b, t, n] / np.sqrt(Hd))
+                    attn[b, t, n] = p @ vs
+        g = np.asarray(head.finish(jnp.asarray(g), jnp.asarray(attn, jnp.float32)))
+        logits = np.asarray(head.logits(jnp.asarray(g)), np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        loss_sum, correct, counted = 0.0, 0, 0
+        for b in range(B):
+            for t in range(T):
+                if t + 2 + k >= T or not mask[b, t + 2 + k]:
+                    continue
+                counted += 1
+                z = Z[b, t + 1 + k].astype(np.float64)
+                if not t2d[np.argmax(z)]:
+                    continue  # the target's choice is not in the draft vocabulary
+                label = _softmax(z[draft_ids])
+                loss_sum += -np.sum(label * logp[b, t])
+                correct += int(np.argmax(logp[b, t]) == np.argmax(label))
+        losses.append(loss_sum / max(counted, 1))
+        accs.append(correct / max(counted, 1))
+        rows.append(counted)
+    total = sum(decay**k * loss for k, loss in enumerate(losses))
+    return total, np.array(losses), np.array(accs), np.array(rows)
+
+
+@pytest.mark.parametrize("attention", [ttt_attention, dense_ttt_attention], ids=["lean", "dense"])
+def test_ttt_loss_matches_row_by_row_reference(attention):
+    head = make_head(draft_vocab=6)  # a small draft vocabulary, so that some argmaxes agree by chance
+    embed, tokens, mask, taps, Z = make_inputs(2, 10)
+    Z[0, :, np.asarray(head.target_ids_of_draft_vocab())] += 2.5  # row 0: the target's choice mostly in vocabulary
+    K, decay = 3, 0.8
+    ref_total, ref_loss, ref_acc, ref_rows = reference_ttt(head, embed, tokens, mask, taps, Z, K, decay)
+    # The inputs exercise every branch: counted rows, dropped (out-of-vocabulary) rows, and some correct argmaxes.
+    in_vocab = np.asarray(head.t2d[...])[Z.argmax(-1)]
+    assert in_vocab.any() and not in_vocab.all()
+
+    @jax.jit
+    def run(head, embed, tokens, mask, taps, Z):
+        return ttt_loss(head, embed, tokens, mask, taps, Z, K, decay, attention=attention)
+
+    total, aux = run(head, embed, tokens, mask, taps, Z)
+    np.testing.assert_array_equal(np.asarray(aux["rows_k"]), ref_rows)
+    np.testing.assert_allclose(np.asarray(aux["loss_k"]), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(aux["acc_k"]), ref_acc, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(total), ref_total, rtol=1e-5)
+    assert (ref_acc > 0).any()
+
+
+@pytest.mark.parametrize("n_steps", [1, 2, 3, 4, 5])
+def test_lean_attention_equals_dense(n_steps):
+    """k = 0..4: the query of step k attends to k + 1 key sets."""
+    B, T, Kh, G, Hd = 2, 9, 2, 3, 8
+    key = jax.random.key(n_steps)
+    kq, kk, kv, kw = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (B, T, Kh, G, Hd))
+    keys = list(jax.random.normal(kk, (n_steps, B, T, Kh, Hd)) * 2)
+    values = list(jax.random.normal(kv, (n_steps, B, T, Kh, Hd)))
+    lean, dense = jax.jit(ttt_attention)(q, keys, values), jax.jit(dense_ttt_attention)(q, keys, values)
+    np.testing.assert_allclose(np.asarray(lean), np.asarray(dense), rtol=1e-5, atol=1e-6)
+    # And their gradients with respect to every input.
+    w = jax.random.normal(kw, lean.shape)
+
+    def grads(attention):
+        grad = jax.grad(lambda q, ks, vs: jnp.sum(attention(q, ks, vs) * w), argnums=(0, 1, 2))
+        return jax.jit(grad)(q, keys, values)
+
+    for a, b in zip(jax.tree.leaves(grads(ttt_attention)), jax.tree.leaves(grads(dense_ttt_attention))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def _temp_bytes(attention, K: int, T: int = 256) -> int:
+    """Temporary memory of the compiled loss+grad, from XLA's memory analysis (not timed)."""
+    head = make_head(draft_vocab=32)
+    graphdef, params, rest = nnx.split(head, nnx.Param, ...)
+    embed, _, _, _, _ = make_inputs(2, 8)
+    tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    taps = jax.ShapeDtypeStruct((1, T, 3 * D), jnp.float32)
+    logits = jax.ShapeDtypeStruct((1, T, V), jnp.float32)
+
+    def loss(params, tokens, mask, taps, logits):
+        h = nnx.merge(graphdef, params, rest)
+        return ttt_loss(h, jnp.asarray(embed), tokens, mask, taps, logits, K, 0.8, attention=attention)[0]
+
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, tokens, tokens, taps, logits).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_peak_memory_linear_in_k_for_lean_attention_quadratic_for_dense(record_property):
+    ks = (2, 4, 8)
+    lean = [_temp_bytes(ttt_attention, k) for k in ks]
+    dense = [_temp_bytes(dense_ttt_attention, k) for k in ks]
+    record_property("temp_bytes_lean", lean)
+    record_property("temp_bytes_dense", dense)
+    print(f"temp bytes, T=256, K={ks}: lean {lean}, dense {dense}")
+    # Fit temp = a + b K + c K^2 through the three points: c is the second divided difference. One set of
+    # [T, T] float32 attention scores (per head, batch 1) is the unit: the dense mask's scores for step k cover
+    # (k + 1) T^2, so its total is quadratic in K; the lean attention keeps one T^2 block per step.
+    block = 4 * 256 * 256 * 4  # 4 query heads x T x T x float32
+
+    def quadratic(m):
+        return ((m[2] - m[1]) / (ks[2] - ks[1]) - (m[1] - m[0]) / (ks[1] - ks[0])) / (ks[2] - ks[0])
+
+    assert abs(quadratic(lean)) < 0.05 * block, (lean, quadratic(lean) / block)
+    assert quadratic(dense) > 0.5 * block, (dense, quadratic(dense) / block)
+    # Linear: the increment doubles when the step in K doubles (2->4, then 4->8).
+    assert 1.7 < (lean[2] - lean[1]) / (lean[1] - lean[0]) < 2.3, lean
+    assert lean[2] < dense[2] / 2
