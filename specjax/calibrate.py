@@ -1,0 +1,97 @@
+"""Where the time of a speculative round goes, measured: target step, verification, drafting.
+
+`forward_costs` times the target alone (one token, and K+1 tokens against the same cache); `round_breakdown` turns a
+speculative run's wall time and statistics into the draft cost ratio c and the speedup the model of
+`specjax.speedup` predicts from them, to set beside the measured speedup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig
+from specjax.kv_cache import KVCache
+from specjax.models.llama import Weights, forward
+from specjax.speedup import acceptance_rate_from_mean, expected_tokens_per_round
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCosts:
+    step_s: float  # one target forward of 1 token per row
+    verify_s: float  # one target forward of K+1 tokens per row, against the same cache
+
+    @property
+    def verify_ratio(self) -> float:
+        return self.verify_s / self.step_s
+
+
+def forward_costs(
+    weights: Weights, cfg: ModelConfig, batch: int, context: int, num_tokens: int, reps: int = 7
+) -> ForwardCosts:
+    """Median wall times of the target forward over a cache of `context` valid slots.
+
+    Args:
+      weights: the target weights.
+      cfg: the target config.
+      batch: rows.
+      context: committed tokens per row (the cache is sized context + num_tokens).
+      num_tokens: the K+1 tokens of a verification.
+      reps: timed repetitions (after one warm-up).
+    Returns:
+      ForwardCosts.
+    """
+    cache = dataclasses.replace(
+        KVCache.empty(cfg, batch, context + num_tokens, weights.embed.dtype),
+        lengths=jnp.full((batch,), context, jnp.int32),
+    )
+    run = jax.jit(forward, static_argnums=1)
+
+    def timed(t: int) -> float:
+        tokens = jnp.ones((batch, t), jnp.int32)
+        positions = context + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+        jax.block_until_ready(run(weights, cfg, tokens, positions, cache))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(weights, cfg, tokens, positions, cache))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return ForwardCosts(step_s=timed(1), verify_s=timed(num_tokens))
+
+
+def round_breakdown(costs: ForwardCosts, seconds: float, rounds: int, mean_accepted: float, num_draft_tokens: int):
+    """Splits a speculative run's time per round into verification and drafting, and predicts its speedup.
+
+    Args:
+      costs: the target's forward costs at this batch size and K.
+      seconds: wall time of the run.
+      rounds: its rounds (verification passes).
+      mean_accepted: tokens per round, bonus included.
+      num_draft_tokens: K (for trees: the depth).
+    Returns:
+      dict with round_ms, verify_ms, draft_ms, cost_ratio c (one draft step / one target step), verify_ratio,
+      alpha (per-token acceptance rate implied by mean_accepted) and predicted_speedup
+      = expected tokens per round / (verify_ratio + K c).
+    """
+    K = num_draft_tokens
+    round_s = seconds / max(rounds, 1)
+    draft_s = max(round_s - costs.verify_s, 0.0)
+    c = draft_s / (K * costs.step_s)
+    alpha = acceptance_rate_from_mean(min(mean_accepted, K + 1), K)
+    predicted = expected_tokens_per_round(alpha, K) / (costs.verify_ratio + K * c)
+    return {
+        "round_ms": 1000 * round_s,
+        "verify_ms": 1000 * costs.verify_s,
+        "draft_ms": 1000 * draft_s,
+        "target_step_ms": 1000 * costs.step_s,
+        "cost_ratio": c,
+        "verify_ratio": costs.verify_ratio,
+        "alpha": alpha,
+        "predicted_speedup": predicted,
+    }
