@@ -21,10 +21,11 @@ from tqdm import tqdm
 from decode import cli
 from specjax import speculative
 from specjax.config import SamplingConfig
-from specjax.drafters import LayerSkipDrafter, NgramDrafter
+from specjax.drafters import LayerSkipDrafter, NgramDrafter, load_eagle3_drafter
 from specjax.errors import InputError
 from specjax.generate import generate
 from specjax.io.models import LoadedModel, load_model
+from specjax.tree import TreeSpec
 
 
 @dataclasses.dataclass
@@ -119,6 +120,13 @@ def specjax_speculative(kind: str) -> Callable[..., Runner]:
         k = options.get("num_draft_tokens", 5)
         if kind == "ngram":
             drafter = NgramDrafter(max_n=options.get("ngram", 3))
+        elif kind in ("eagle3-chain", "eagle3-tree"):
+            if not options.get("eagle3"):
+                raise InputError(f"mode {kind} needs an EAGLE-3 head folder: --eagle3 PATH")
+            tree = TreeSpec.parse(options.get("tree") or DEFAULT_TREE) if kind == "eagle3-tree" else None
+            drafter = load_eagle3_drafter(options["eagle3"], model.cfg, model.weights.embed, tree)
+            if tree is not None:
+                k = tree.depth
         else:
             layers = options.get("draft_layers") or max(1, model.cfg.num_layers // 4)
             drafter = LayerSkipDrafter(model.weights, model.cfg, layers)
@@ -141,8 +149,11 @@ MODES: dict[str, Callable[..., Runner]] = {
     "hf": hf_generate,
     "ngram": specjax_speculative("ngram"),
     "layerskip": specjax_speculative("layerskip"),
+    "eagle3-chain": specjax_speculative("eagle3-chain"),
+    "eagle3-tree": specjax_speculative("eagle3-tree"),
 }
-SPECULATIVE_MODES = ("ngram", "layerskip")
+SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree")
+DEFAULT_TREE = "5,4,24"  # depth, top-k, budget (nodes including the root)
 
 
 def measure(mode: str, runner: Runner, groups, max_new_tokens: int, seed: int) -> ModeRun:
@@ -203,6 +214,8 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=5, help="K for the speculative modes")
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram the ngram mode matches")
     p.add_argument("--draft-layers", type=int, default=None, help="layers of the layerskip drafter (default L/4)")
+    p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder for the eagle3-chain / eagle3-tree modes")
+    p.add_argument("--tree", default=None, help=f"depth,topk,budget of the eagle3-tree mode (default {DEFAULT_TREE})")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--out-dir", type=Path, default=Path("bench_out"), help="where the JSON, table and plot go")
     p.add_argument("--json", dest="json_out", type=Path, help="JSON path (default OUT_DIR/bench.json)")
@@ -232,7 +245,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     runs = {}
     for mode in modes:
-        options = dict(num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, draft_layers=args.draft_layers)
+        options = dict(
+            num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, draft_layers=args.draft_layers,
+            eagle3=args.eagle3, tree=args.tree,
+        )  # fmt: skip
         runner = MODES[mode](model, sampling, eos, batch_size, **(options if mode in SPECULATIVE_MODES else {}))
         runs[mode] = measure(mode, runner, groups, args.max_new_tokens, args.seed)
     ar = runs.get("ar")

@@ -11,6 +11,7 @@ from specjax import speculative
 from specjax.drafters import SPEC_HELP, drafter_from_spec
 from specjax.generate import generate
 from specjax.io.models import load_model
+from specjax.tree import TreeSpec
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -21,6 +22,10 @@ def parser() -> cli.ArgumentParser:
     cli.add_sampling_args(p)
     p.add_argument("--drafter", default="none", help=f"speculative drafter: {SPEC_HELP}")
     p.add_argument("--num-draft-tokens", type=int, default=5, help="K, draft tokens per round (with --drafter)")
+    p.add_argument(
+        "--tree", default=None, metavar="DEPTH,TOPK,BUDGET",
+        help="with --drafter eagle3:PATH: draft a dynamic tree (BUDGET nodes including the root) instead of a chain",
+    )  # fmt: skip
     p.add_argument("--num-samples", type=int, default=1, help="N samples of each prompt, decoded as one batch")
     p.add_argument("--json", dest="json_out", help="write the results to this JSON file")
     return p
@@ -38,9 +43,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli.check_positive("--batch-size", args.batch_size)
     cli.check_positive("--num-samples", args.num_samples)
     prompts = cli.gather_prompts(args, default=[DEFAULT_PROMPT])
+    tree = TreeSpec.parse(args.tree) if args.tree is not None else None
     model = load_model(args.model)
     tok = model.tokenizer
-    drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=_load_draft)
+    drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=_load_draft, tree=tree)
     if drafter is not None:
         speculative.check_inputs(model.cfg, drafter, args.num_draft_tokens)
     prompts = [p for p in prompts for _ in range(args.num_samples)]  # each prompt's samples are adjacent
@@ -106,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "batch_size": batch_size,
             "raw": args.raw,
             "drafter": args.drafter,
-            "num_draft_tokens": args.num_draft_tokens if drafter is not None else None,
+            "num_draft_tokens": args.num_draft_tokens if drafter is not None and tree is None else None,
+            "tree": args.tree,
             "num_samples": args.num_samples,
         }
         with open(args.json_out, "w", encoding="utf-8") as f:

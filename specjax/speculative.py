@@ -9,6 +9,11 @@ last committed token is "pending": the target has not seen it yet, so the target
 A round feeds [pending, d_1 .. d_K] at positions length_b - 1 + arange(K + 1), accepts n drafts, emits
 d_1 .. d_n plus one token from the target (the correction, or the bonus when n = K), and advances the cache by
 n + 1. Rejected drafts' KV slots are simply never committed; later rounds overwrite them.
+
+A drafter with a `tree` (a `specjax.tree.TreeSpec`, e.g. the EAGLE-3 drafter) instead proposes a draft tree of
+`budget` nodes rooted at the pending token; one target forward verifies it under the ancestor mask, the accepted
+path (at most `depth` = K drafts) is chosen by `specjax.tree`, and its KV is compacted into contiguous slots. Drafters
+with `tap_layers` get the target's taps, and `commit` sees the committed rows after the prefill and every round.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters.base import Drafter
+from specjax.drafters.base import Drafter, commit_to, tap_layers_of
 from specjax.errors import InputError
 from specjax.generate import Completion, _compiled, _is_eos, pack_prompts, prefill
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.sampling import probabilities, sample
+from specjax.tree import compact_path, greedy_tree_accept, tree_accept
 
 MAX_DRAFT_TOKENS = 32
 
@@ -160,29 +166,36 @@ def speculative_decode(
     """
     B, P = tokens_bp.shape
     K = num_draft_tokens
-    num_slots = P + max_new_tokens + K + 1
+    tree = getattr(drafter, "tree", None)  # a TreeSpec: verify a draft tree; K is then its depth
+    taps = tap_layers_of(drafter)
+    extra = drafter.extra_slots(K) if hasattr(drafter, "extra_slots") else K
+    num_slots = P + max_new_tokens + extra + 1
     pad = eos_ids[0] if eos_ids else 0
-    cache = KVCache.empty(cfg, B, num_slots, weights.embed.dtype)
-    logits_bv, _, cache = prefill(weights, cfg, tokens_bp, lengths_b, cache)
+    # The barrier keeps XLA from constant-folding attention over the empty (all-zero) cache, which took minutes to
+    # compile at large batch sizes.
+    cache = jax.lax.optimization_barrier(KVCache.empty(cfg, B, num_slots, weights.embed.dtype))
+    logits_bv, taps_bpf, cache = prefill(weights, cfg, tokens_bp, lengths_b, cache, tap_layers=taps)
     key, sub = jax.random.split(key)
     first = sample(sub, logits_bv, sampling)
     rows = jnp.arange(B)
     tokens_bs = jnp.full((B, num_slots), pad, jnp.int32).at[:, :P].set(tokens_bp).at[rows, lengths_b].set(first)
+    draft_state = jax.lax.optimization_barrier(drafter.init(tokens_bp, lengths_b, num_slots))
+    # The prompt rows: row j's next token is x[j + 1]; the last prompt row's is the first sampled token.
+    draft_state = commit_to(drafter, draft_state, tokens_bs[:, 1 : P + 1], taps_bpf, lengths_b)
     state = SpecState(
         tokens_bs=tokens_bs,
         length_b=lengths_b + 1,
         num_new_b=jnp.ones((B,), jnp.int32),
         done_b=_is_eos(first, eos_ids) | (max_new_tokens == 1) | (False if active_b is None else ~active_b),
         cache=cache,
-        draft_state=drafter.init(tokens_bp, lengths_b, num_slots),
+        draft_state=draft_state,
         key=key,
         rounds=jnp.int32(0),
         accepted_hist=jnp.zeros((K + 1,), jnp.int32),
     )
     j = jnp.arange(K + 1)[None, :]
 
-    def step(s: SpecState) -> SpecState:
-        key, k_draft, k_accept = jax.random.split(s.key, 3)
+    def verify_chain(s: SpecState, k_draft, k_accept):
         draft_bk, draft_probs, draft_state = drafter.propose(
             s.draft_state, s.tokens_bs, s.length_b, k_draft,
             num_draft_tokens=K, vocab_size=cfg.vocab_size, sampling=sampling,
@@ -190,13 +203,40 @@ def speculative_decode(
         pending = jnp.take_along_axis(s.tokens_bs, (s.length_b - 1)[:, None], axis=1)
         verify_bt = jnp.concatenate([pending, draft_bk], axis=1)
         positions = (s.length_b - 1)[:, None] + j
-        logits, _, cache = forward(weights, cfg, verify_bt, positions, s.cache)
+        logits, taps_btf, cache = forward(weights, cfg, verify_bt, positions, s.cache, tap_layers=taps)
         if sampling.greedy:
             n, nxt = greedy_accept(draft_bk, jnp.argmax(logits, axis=-1).astype(jnp.int32))
         else:
             n, nxt = speculative_accept(k_accept, draft_bk, draft_probs, probabilities(logits, sampling))
-        # Emitted this round: d_1 .. d_n, then nxt; cut at the first EOS and at max_new_tokens.
+        # Emitted this round: d_1 .. d_n, then nxt.
         emitted = jnp.where(j < n[:, None], jnp.concatenate([draft_bk, draft_bk[:, :1]], axis=1), nxt[:, None])
+        return n, emitted, taps_btf, cache, draft_state
+
+    def verify_tree(s: SpecState, k_draft, k_accept):
+        pending = jnp.take_along_axis(s.tokens_bs, (s.length_b - 1)[:, None], axis=1)[:, 0]
+        draft, draft_state = drafter.propose_tree(s.draft_state, pending, k_draft, sampling)
+        base = s.length_b - 1
+        logits, taps_btf, cache = forward(
+            weights, cfg, draft.tokens, base[:, None] + draft.depths, s.cache, new_mask_btt=draft.ancestors,
+            tap_layers=taps,
+        )  # fmt: skip
+        if sampling.greedy:
+            n, nxt, path = greedy_tree_accept(draft, logits, K)
+        else:
+            n, nxt, path = tree_accept(k_accept, draft, probabilities(logits, sampling), K)
+        cache = compact_path(cache, base, path)
+        path_tokens = jnp.take_along_axis(draft.tokens, path, axis=1)  # [B, K + 1], root first
+        emitted = jnp.where(j < n[:, None], jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], 1), nxt[:, None])
+        if taps_btf is not None:
+            taps_btf = jnp.take_along_axis(taps_btf, path[..., None], axis=1)
+        return n, emitted, taps_btf, cache, draft_state
+
+    def step(s: SpecState) -> SpecState:
+        key, k_draft, k_accept = jax.random.split(s.key, 3)
+        n, emitted, taps_btf, cache, draft_state = (verify_tree if tree is not None else verify_chain)(
+            s, k_draft, k_accept
+        )
+        # Cut at the first EOS and at max_new_tokens.
         eos_at = jnp.where(_is_eos(emitted, eos_ids) & (j <= n[:, None]), j, K + 1).min(axis=1)
         count = jnp.minimum(jnp.minimum(n + 1, eos_at + 1), max_new_tokens - s.num_new_b)
         count = jnp.where(s.done_b, 0, count)
@@ -206,6 +246,7 @@ def speculative_decode(
         )
         num_new = s.num_new_b + count
         done = s.done_b | (eos_at < count) | (num_new >= max_new_tokens)
+        draft_state = commit_to(drafter, draft_state, emitted, taps_btf, count)
         running = (~s.done_b).astype(jnp.int32)
         hist = s.accepted_hist + jnp.sum(jax.nn.one_hot(n, K + 1, dtype=jnp.int32) * running[:, None], axis=0)
         return SpecState(
@@ -294,7 +335,7 @@ def generate(
       cfg: the target config.
       prompts: token ids per prompt (different lengths are fine).
       drafter: an NgramDrafter, LayerSkipDrafter, ModelDrafter or any other `Drafter`.
-      num_draft_tokens: K, drafts per round (1..MAX_DRAFT_TOKENS).
+      num_draft_tokens: K, drafts per round (1..MAX_DRAFT_TOKENS); ignored for a tree drafter (K = tree depth).
       max_new_tokens: the most tokens generated per prompt.
       sampling: greedy by default.
       seed: PRNG seed.
@@ -305,6 +346,9 @@ def generate(
     """
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    tree = getattr(drafter, "tree", None)
+    if tree is not None:
+        num_draft_tokens = tree.depth  # a tree drafter verifies `budget` nodes; K is the deepest path
     check_inputs(cfg, drafter, num_draft_tokens)
     batch = batch_size or len(prompts)
     if batch < len(prompts):

@@ -3,6 +3,7 @@
 - `NgramDrafter`: prompt lookup over prompt + generated text (one-hot draft_probs).
 - `LayerSkipDrafter`: the target's first N layers + final norm + LM head.
 - `ModelDrafter`: a separate, smaller checkpoint with the same vocabulary.
+- `Eagle3Drafter`: an EAGLE-3 head over the target's hidden states, as a chain or a dynamic tree.
 """
 
 from __future__ import annotations
@@ -10,24 +11,35 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specjax.config import ModelConfig
-from specjax.drafters.base import Drafter, draw
+from specjax.drafters.base import Drafter, DrafterHooks, commit_to, draw, tap_layers_of
+from specjax.drafters.eagle3 import Eagle3Drafter, Eagle3State, load_eagle3_drafter
 from specjax.drafters.model import LayerSkipDrafter, ModelDrafter, ModelDraftState
 from specjax.drafters.ngram import NgramDrafter, ngram_proposal
 from specjax.errors import InputError
 from specjax.models.llama import Weights
+from specjax.tree import TreeSpec
 
 __all__ = [
     "Drafter",
+    "DrafterHooks",
+    "Eagle3Drafter",
+    "Eagle3State",
     "LayerSkipDrafter",
     "ModelDraftState",
     "ModelDrafter",
     "NgramDrafter",
+    "commit_to",
     "draw",
+    "load_eagle3_drafter",
+    "tap_layers_of",
     "drafter_from_spec",
     "ngram_proposal",
 ]
 
-SPEC_HELP = "none, ngram[:N] (N = longest n-gram, default 3), layerskip:N (first N layers), model:PATH"
+SPEC_HELP = (
+    "none, ngram[:N] (N = longest n-gram, default 3), layerskip:N (first N layers), model:PATH, "
+    "eagle3:PATH (an EAGLE-3 head folder; with --tree for tree drafting)"
+)
 
 
 def _int(text: str, what: str) -> int:
@@ -38,18 +50,30 @@ def _int(text: str, what: str) -> int:
 
 
 def drafter_from_spec(
-    spec: str, weights: Weights, cfg: ModelConfig, load: Callable[[str], tuple[ModelConfig, Weights]] | None = None
+    spec: str,
+    weights: Weights,
+    cfg: ModelConfig,
+    load: Callable[[str], tuple[ModelConfig, Weights]] | None = None,
+    tree: TreeSpec | None = None,
 ) -> Drafter | None:
     """Builds a drafter from a command-line spec.
 
     Args:
-      spec: "none", "ngram", "ngram:N", "layerskip:N" or "model:PATH".
-      weights, cfg: the target model (layer-skip drafts with its own weights).
+      spec: "none", "ngram", "ngram:N", "layerskip:N", "model:PATH" or "eagle3:PATH".
+      weights, cfg: the target model (layer-skip drafts with its own weights; EAGLE-3 shares its embedding).
       load: for "model:PATH", returns (cfg, weights) of the checkpoint at PATH.
+      tree: for "eagle3:PATH", draft a dynamic tree of this shape instead of a chain.
     Returns:
-      The drafter, or None for "none". Raises InputError on a malformed spec or a value out of range.
+      The drafter, or None for "none". Raises InputError on a malformed spec or a value out of range, and
+      CheckpointError for an EAGLE-3 head that is missing, corrupt or made for another target.
     """
     kind, _, arg = spec.strip().partition(":")
+    if tree is not None and kind != "eagle3":
+        raise InputError("tree drafting (--tree) needs an EAGLE-3 head: --drafter eagle3:PATH")
+    if kind == "eagle3":
+        if not arg:
+            raise InputError("EAGLE-3 drafting needs a head folder: eagle3:PATH (config.json + *.safetensors)")
+        return load_eagle3_drafter(arg, cfg, weights.embed, tree)
     if kind == "none" and not arg:
         return None
     if kind == "ngram":

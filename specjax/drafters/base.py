@@ -6,6 +6,15 @@ argument. Inside the jit the loop calls `init` once and `propose` once per round
 The loop keeps every row's committed text in a token buffer `tokens_bs` (prompt, then generated tokens) with
 `length_b` committed tokens per row. The last committed token (`tokens_bs[b, length_b - 1]`) is "pending": the target
 has not run on it yet, and it is the first token of the next verification.
+
+Two optional hooks serve drafters that read the target's hidden states (EAGLE-3); `DrafterHooks` gives their
+defaults, and `tap_layers_of` / `commit_to` apply them to any drafter, so drafters without them work unchanged:
+- `tap_layers` (static tuple, default ()): target layers whose input residual stream the loop returns from the
+  prefill and from every verification forward.
+- `commit(state, next_tokens_bt, taps_btf, count_b) -> state`: called right after the prefill with the prompt rows
+  (row j's next token is x[j+1]; the last prompt row's is the first sampled token; count = prompt lengths) and after
+  every verification with the verified rows (next tokens [d_1 .. d_K] with the emitted token at index n; count =
+  tokens committed). Row j of `taps_btf` is the target's taps at the j-th committed-or-verified position.
 """
 
 from __future__ import annotations
@@ -66,3 +75,24 @@ def draw(key: jax.Array, logits_bv: jax.Array, sampling: SamplingConfig) -> tupl
     if sampling.greedy:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32), probs
     return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32), probs
+
+
+class DrafterHooks:
+    """Default optional hooks (mix in, or rely on `tap_layers_of` / `commit_to`): no taps, commit does nothing."""
+
+    tap_layers: tuple[int, ...] = ()
+
+    def commit(self, state: Any, next_tokens_bt: jax.Array, taps_btf: jax.Array | None, count_b: jax.Array) -> Any:
+        """Sees the rows the loop committed (see the module docstring); returns the new drafter state."""
+        return state
+
+
+def tap_layers_of(drafter: Any) -> tuple[int, ...]:
+    """The target layers a drafter wants tapped (static); () for drafters without the hook."""
+    return tuple(getattr(drafter, "tap_layers", ()) or ())
+
+
+def commit_to(drafter: Any, state: Any, next_tokens_bt, taps_btf, count_b) -> Any:
+    """Calls `drafter.commit` when the drafter has one, else returns the state unchanged."""
+    commit = getattr(drafter, "commit", None)
+    return state if commit is None else commit(state, next_tokens_bt, taps_btf, count_b)

@@ -1,0 +1,211 @@
+"""EAGLE-3 drafting: a draft head reading the target's hidden states, as a chain or a dynamic tree.
+
+Head KV bookkeeping (EAGLE3.md sections 4 and 8.3): draft row j pairs the target's taps at position j with the
+embedding of token j + 1, at rotary position j, in head-cache slot j. `commit` writes those rows for every committed
+position from the target's own taps (after the prefill and after every verification) and advances the head cache,
+so the head's KV for committed positions never comes from drafting. Drafting writes slots past the committed length
+and never advances: the next commit overwrites them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.drafters.base import draw
+from specjax.errors import InputError
+from specjax.kv_cache import KVCache
+from specjax.models.eagle3 import Eagle3Head
+from specjax.models.llama import attend
+from specjax.tree import DraftTree, TreeSpec, grow_tree
+
+
+def _static(default=dataclasses.MISSING):
+    return dataclasses.field(default=default, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Eagle3State:
+    cache: KVCache  # the head's cache: lengths == the target cache's lengths (committed positions - pending)
+    logits_bv: jax.Array  # [B, Vd] draft logits of the last committed row (they predict the first draft)
+    out_bd: jax.Array  # [B, D] its pre-norm output (g of the first draft step)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter:
+    """EAGLE-3 drafter (a pytree: the head's `nnx.split` state are leaves, its graph definition is static).
+
+    Args (via `Eagle3Drafter.create(head, target_embed, tree=None)`):
+      head: an `Eagle3Head` made for this target.
+      target_embed: the target's embedding [V, D] (used when the head shares it).
+      tree: None for chain drafting (K = num_draft_tokens), else a `TreeSpec`.
+    """
+
+    params: Any  # nnx.State of the head
+    target_embed: jax.Array | None
+    graphdef: Any = _static()
+    tree: TreeSpec | None = _static(None)
+
+    @classmethod
+    def create(cls, head: Eagle3Head, target_embed: jax.Array | None, tree: TreeSpec | None = None) -> Eagle3Drafter:
+        graphdef, params = nnx.split(head)
+        if tree is not None:
+            tree.validate(head.cfg.draft_vocab_size)
+        return cls(params, None if head.embed is not None else target_embed, graphdef, tree)
+
+    @property
+    def head(self) -> Eagle3Head:
+        return nnx.merge(self.graphdef, self.params)
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return tuple(self.head_cfg.tap_layers)
+
+    @property
+    def head_cfg(self):
+        return self.head.cfg
+
+    def extra_slots(self, num_draft_tokens: int) -> int:
+        """Slots past the committed text that one round writes (verification and drafting)."""
+        return num_draft_tokens if self.tree is None else self.tree.budget
+
+    # -- the protocol ---------------------------------------------------------------------------------------
+
+    def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
+        cfg = self.head_cfg
+        if cfg.vocab_size != target_cfg.vocab_size or cfg.target_hidden_size != target_cfg.hidden_size:
+            raise InputError(
+                f"this EAGLE-3 head was made for a target with vocabulary {cfg.vocab_size} and width "
+                f"{cfg.target_hidden_size}, but the target has {target_cfg.vocab_size} and {target_cfg.hidden_size}"
+            )
+        if any(not 0 <= t < target_cfg.num_layers for t in cfg.tap_layers) or cfg.target_num_layers != (
+            target_cfg.num_layers
+        ):
+            raise InputError(
+                f"this EAGLE-3 head taps layers {list(cfg.tap_layers)} of a {cfg.target_num_layers}-layer target, but "
+                f"the target has {target_cfg.num_layers} layers"
+            )
+        if self.tree is not None:
+            self.tree.validate(cfg.draft_vocab_size)
+
+    def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> Eagle3State:
+        head = self.head
+        B = tokens_bp.shape[0]
+        cache = head.empty_cache(B, num_slots)
+        return Eagle3State(
+            cache,
+            jnp.zeros((B, head.cfg.draft_vocab_size), jnp.float32),
+            jnp.zeros((B, head.cfg.hidden_size), head.dtype),
+        )
+
+    def commit(self, state: Eagle3State, next_tokens_bt, taps_btf, count_b) -> Eagle3State:
+        """Head rows for the committed positions, from the target's taps (see the module docstring)."""
+        head = self.head
+        B, T = next_tokens_bt.shape
+        positions = state.cache.lengths[:, None] + jnp.arange(T)[None, :]
+        embed = head.embed_tokens(next_tokens_bt, self.target_embed)
+        logits, out, cache = head.step(embed, head.fuse(taps_btf), positions, state.cache)
+        last = jnp.maximum(count_b - 1, 0)[:, None]
+        new_logits = jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0]
+        new_out = jnp.take_along_axis(out, last[..., None], axis=1)[:, 0]
+        moved = (count_b > 0)[:, None]
+        return Eagle3State(
+            cache.advance(count_b),
+            jnp.where(moved, new_logits, state.logits_bv),
+            jnp.where(moved, new_out.astype(state.out_bd.dtype), state.out_bd),
+        )
+
+    def propose(self, state: Eagle3State, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
+        """Chain drafting: draft 1 from the stored logits, then K - 1 cached steps on the head's own output."""
+        head = self.head
+        B = tokens_bs.shape[0]
+        keys = jax.random.split(key, num_draft_tokens)
+        c = state.cache.lengths
+        token, probs = draw(keys[0], head.logits_to_target(state.logits_bv), sampling)
+        if num_draft_tokens == 1:
+            return token[:, None], probs[:, None], state
+
+        def step(carry, xs):
+            token, g, cache = carry
+            i, k = xs
+            embed = head.embed_tokens(token[:, None], self.target_embed)
+            cache = dataclasses.replace(cache, lengths=c + i)
+            logits, out, cache = head.step(embed, g[:, None], (c + i)[:, None], cache)
+            nxt, probs = draw(k, head.logits_to_target(logits[:, 0]), sampling)
+            return (nxt, out[:, 0], cache), (nxt, probs)
+
+        xs = (jnp.arange(num_draft_tokens - 1, dtype=jnp.int32), keys[1:])
+        (_, _, cache), (rest_kb, rest_kbv) = jax.lax.scan(step, (token, state.out_bd, state.cache), xs)
+        cache = dataclasses.replace(cache, lengths=c)
+        tokens_bk = jnp.concatenate([token[:, None], rest_kb.T], axis=1)
+        probs_bkv = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_kbv, 0, 1)], axis=1)
+        del B
+        return tokens_bk, probs_bkv, dataclasses.replace(state, cache=cache)
+
+    def propose_tree(
+        self, state: Eagle3State, pending_b: jax.Array, key: jax.Array, sampling: SamplingConfig
+    ) -> tuple[DraftTree, Eagle3State]:
+        """Grows a draft tree (`specjax.tree`). Node t >= 1 writes its head KV at slot c + t - 1 when expanded."""
+        head = self.head
+        cfg = head.cfg
+        spec = self.tree
+        M = spec.budget
+        B = pending_b.shape[0]
+        c = state.cache.lengths
+        S = state.cache.num_slots
+        slots = jnp.arange(S)[None, None, :]
+        node_out = jnp.zeros((B, M, cfg.hidden_size), state.out_bd.dtype).at[:, 0].set(state.out_bd)
+        rows = jnp.arange(B)[:, None]
+
+        def expand(tree: DraftTree, nodes_bf, ok_bf, aux):
+            cache, node_out = aux
+            f = nodes_bf.shape[1]
+            toks = jnp.take_along_axis(tree.tokens, nodes_bf, axis=1)
+            parents = jnp.take_along_axis(tree.parents, nodes_bf, axis=1)
+            g = jnp.take_along_axis(node_out, parents[..., None], axis=1)
+            positions = c[:, None] - 1 + jnp.take_along_axis(tree.depths, nodes_bf, axis=1)
+            q, k, v = head.qkv(head.embed_tokens(toks, self.target_embed), g, positions)
+            anc = jnp.take_along_axis(tree.ancestors, nodes_bf[..., None], axis=1)  # [B, f, M]
+            tree_idx = slots - c[:, None, None] + 1  # node whose KV a slot holds
+            in_tree = (tree_idx >= 1) & (tree_idx < M) & (tree_idx != nodes_bf[..., None])
+            anc_at = jnp.take_along_axis(anc, jnp.clip(tree_idx, 0, M - 1).astype(jnp.int32).repeat(f, 1), axis=2)
+            cache_mask = (slots < c[:, None, None]) | (in_tree & anc_at)
+            q = q.reshape(B, f, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
+            attn = attend(
+                q, cache.k[0].astype(k.dtype), cache.v[0].astype(v.dtype), k, v, cache_mask,
+                jnp.broadcast_to(jnp.eye(f, dtype=bool), (B, f, f)),
+            )  # fmt: skip
+            out = head.finish(g, attn.reshape(B, f, cfg.num_heads, cfg.head_dim))
+            logits = head.logits_to_target(head.logits(out))
+            dst = jnp.where(ok_bf, c[:, None] + nodes_bf - 1, S)
+            cache = dataclasses.replace(
+                cache,
+                k=cache.k.at[0, rows, dst].set(k.astype(cache.k.dtype), mode="drop"),
+                v=cache.v.at[0, rows, dst].set(v.astype(cache.v.dtype), mode="drop"),
+            )
+            node_out = node_out.at[rows, jnp.where(ok_bf, nodes_bf, M)].set(out.astype(node_out.dtype), mode="drop")
+            return logits, (cache, node_out)
+
+        tree, (cache, _) = grow_tree(
+            key, pending_b, head.logits_to_target(state.logits_bv), expand, (state.cache, node_out), spec, sampling
+        )
+        return tree, dataclasses.replace(state, cache=cache)
+
+
+def load_eagle3_drafter(
+    path: str, target_cfg: ModelConfig, target_embed: jax.Array, tree: TreeSpec | None = None
+) -> Eagle3Drafter:
+    """Loads a published-format EAGLE-3 head folder for this target. Raises CheckpointError / InputError."""
+    from specjax.io.eagle3_checkpoint import load_eagle3
+
+    _, head = load_eagle3(path, target_cfg, dtype=target_embed.dtype)
+    drafter = Eagle3Drafter.create(head, target_embed, tree)
+    drafter.validate(target_cfg, 1)
+    return drafter

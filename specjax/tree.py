@@ -1,0 +1,321 @@
+"""Dynamic draft trees in fixed shapes: best-first growth, ancestor masks, exact tree acceptance, KV compaction.
+
+A tree has `budget` nodes per row. Node 0 is the root (the pending token, already committed); nodes are stored in
+creation order, so every parent precedes its children. Growth (EAGLE-2 style, `depth` - 1 expansion rounds after
+the root): the root's children are its top-k (greedy) or k draws without replacement (Gumbel-top-k, temperature
+> 0) from the processed draft distribution; each round then expands the `topk` unexpanded nodes of highest
+cumulative draft log-probability (depth < `depth`) with one batched drafter step, and each of them gets a whole
+sibling group of up to `topk` children while the budget lasts (in score order).
+
+Why whole groups, decided when the parent is expanded (and not EAGLE-2's per-node rerank afterwards): recursive
+rejection over siblings is exact only if the number of children a node gets does not depend on those children's own
+sampled values. Here it is fixed when the parent is popped, from scores of nodes that already exist, so the sampled
+output is exactly the target's distribution at any temperature (tests/test_eagle3_decoding.py checks it by
+enumeration).
+
+Verification: one target forward over all nodes (positions = pending position + depth, attention = ancestors).
+Greedy accepts the deepest node whose every token equals the target argmax at its parent. Sampling walks from the
+root: the children of the current node are tried in their draw order, child c accepted with min(1, p(c)/q(c)); on
+a rejection p <- normalise(max(0, p - q)) and q <- q without c, renormalised; when all are rejected (or the node is a
+leaf) the next token is drawn from the current p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import SamplingConfig
+from specjax.errors import InputError
+from specjax.kv_cache import KVCache
+from specjax.sampling import probabilities, process_logits
+
+MAX_TREE_NODES = 64  # budget limit: one verification forward over this many tokens
+MAX_TREE_TOPK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """depth: the deepest draft level; topk: children per expanded node and nodes expanded per round; budget: tree
+    nodes including the root (so budget - 1 drafts are verified per round)."""
+
+    depth: int
+    topk: int
+    budget: int
+
+    @classmethod
+    def parse(cls, text: str) -> TreeSpec:
+        """'depth,topk,budget' -> TreeSpec (validated). Raises InputError."""
+        parts = text.split(",")
+        try:
+            depth, topk, budget = (int(x) for x in parts)
+        except ValueError:
+            raise InputError(f"--tree takes depth,topk,budget (three integers, e.g. 5,4,24), got {text!r}") from None
+        spec = cls(depth, topk, budget)
+        spec.validate()
+        return spec
+
+    def validate(self, draft_vocab_size: int | None = None) -> None:
+        """Raises InputError for a tree the buffers cannot hold or that cannot be filled."""
+        if not 1 <= self.depth <= 32:
+            raise InputError(f"tree depth must be in 1..32, got {self.depth}")
+        if not 1 <= self.topk <= MAX_TREE_TOPK:
+            raise InputError(f"tree top-k must be in 1..{MAX_TREE_TOPK}, got {self.topk}")
+        if draft_vocab_size is not None and self.topk > draft_vocab_size:
+            raise InputError(f"tree top-k {self.topk} exceeds the draft vocabulary ({draft_vocab_size} tokens)")
+        if not 2 <= self.budget <= MAX_TREE_NODES:
+            raise InputError(
+                f"tree budget (nodes including the root) must be in 2..{MAX_TREE_NODES}, got {self.budget}; "
+                "a larger tree does not fit the verification buffer"
+            )
+        if self.budget > self.capacity:
+            raise InputError(
+                f"a tree of depth {self.depth} and top-k {self.topk} holds at most {self.capacity} nodes, but the "
+                f"budget is {self.budget}; lower the budget or raise depth / top-k"
+            )
+
+    @property
+    def capacity(self) -> int:
+        """The most nodes growth can create: root + k + (depth - 1) rounds of k groups of k."""
+        return 1 + self.topk + (self.depth - 1) * self.topk * self.topk
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    tokens: jax.Array  # [B, M] int32 target ids (node 0: the pending token)
+    parents: jax.Array  # [B, M] int32 (root: 0)
+    depths: jax.Array  # [B, M] int32 (root: 0)
+    valid: jax.Array  # [B, M] bool: a real draft (unused slots and zero-probability draws are False)
+    scores: jax.Array  # [B, M] float32 cumulative draft log-probability (-inf when invalid)
+    ancestors: jax.Array  # [B, M, M] bool: ancestors[t, s] = s is t or an ancestor of t
+    children: jax.Array  # [B, M, k] int32 children in draw order, -1 where none
+    expanded: jax.Array  # [B, M] bool
+    draft_probs: jax.Array  # [B, M, V] the processed draft distribution each node's children were drawn from
+
+
+def draw_children(
+    key: jax.Array, logits_nv: jax.Array, k: int, sampling: SamplingConfig
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """k distinct children per row: greedy top-k, else k draws without replacement (Gumbel-top-k order).
+
+    Args:
+      key: PRNG key.
+      logits_nv: float32 [..., V] draft logits in the target vocabulary (-inf outside the draft vocabulary).
+      k: static number of children.
+      sampling: the same processing as the target.
+    Returns:
+      (tokens int32 [..., k], log-probability float32 [..., k] (greedy: of the raw softmax), valid bool [..., k]
+      (probability > 0), draft_probs float32 [..., V] (greedy: one-hot argmax)).
+    """
+    if sampling.greedy:
+        logp = jax.nn.log_softmax(logits_nv.astype(jnp.float32), axis=-1)
+        top, idx = jax.lax.top_k(logp, k)
+        return idx.astype(jnp.int32), top, top > -jnp.inf, probabilities(logits_nv, sampling)
+    logp = jax.nn.log_softmax(process_logits(logits_nv, sampling), axis=-1)
+    gumbel = jax.random.gumbel(key, logp.shape, jnp.float32)
+    _, idx = jax.lax.top_k(jnp.where(logp > -jnp.inf, logp + gumbel, -jnp.inf), k)
+    lp = jnp.take_along_axis(logp, idx, axis=-1)
+    return idx.astype(jnp.int32), lp, lp > -jnp.inf, jnp.exp(logp)
+
+
+ExpandFn = Callable[[DraftTree, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def grow_tree(
+    key: jax.Array,
+    root_token_b: jax.Array,
+    root_logits_bv: jax.Array,
+    expand: ExpandFn,
+    aux: Any,
+    spec: TreeSpec,
+    sampling: SamplingConfig,
+) -> tuple[DraftTree, Any]:
+    """Grows a draft tree per row (see the module docstring).
+
+    Args:
+      key: PRNG key for the draws.
+      root_token_b: int32 [B] the pending token.
+      root_logits_bv: float32 [B, V] draft logits after the root (target vocabulary, -inf outside the draft's).
+      expand: `expand(tree, nodes_bf, ok_bf, aux) -> (logits [B, f, V], aux)` runs the drafter on nodes (the node's
+        token, its parent's hidden state, its ancestors' KV) and returns the logits of their children.
+      aux: the drafter's carry for `expand`.
+      spec: static tree shape.
+      sampling: static sampling config.
+    Returns:
+      (tree, aux).
+    """
+    B, V = root_logits_bv.shape
+    M, k = spec.budget, spec.topk
+    keys = jax.random.split(key, spec.depth)
+    rows = jnp.arange(B)[:, None]
+    tree = DraftTree(
+        tokens=jnp.zeros((B, M), jnp.int32).at[:, 0].set(root_token_b),
+        parents=jnp.zeros((B, M), jnp.int32),
+        depths=jnp.ones((B, M), jnp.int32).at[:, 0].set(0),
+        valid=jnp.zeros((B, M), bool).at[:, 0].set(True),
+        scores=jnp.full((B, M), -jnp.inf, jnp.float32).at[:, 0].set(0.0),
+        ancestors=jnp.broadcast_to(jnp.eye(M, dtype=bool), (B, M, M)),
+        children=jnp.full((B, M, k), -1, jnp.int32),
+        expanded=jnp.zeros((B, M), bool),
+        draft_probs=jnp.zeros((B, M, V), jnp.float32),
+    )
+    count_b = jnp.ones((B,), jnp.int32)
+
+    def attach(tree, count_b, key, nodes_bf, ok_bf, logits_bfv):
+        f = nodes_bf.shape[1]
+        tok, lp, ok_child, probs = draw_children(key, logits_bfv, k, sampling)  # [B, f, k]
+        n_valid = jnp.sum(ok_child, axis=-1) * ok_bf  # [B, f]: the support, not the draws, sets the group size
+        before = jnp.cumsum(n_valid, axis=1) - n_valid
+        room = jnp.maximum(M - count_b[:, None] - before, 0)
+        take = jnp.minimum(n_valid, room)  # [B, f] children given to each expanded node, in score order
+        start = count_b[:, None] + jnp.minimum(before, M)
+        i = jnp.arange(k)[None, None, :]
+        new = start[..., None] + i  # [B, f, k] node index of each child
+        keep = i < take[..., None]
+        dst = jnp.where(keep, new, M).reshape(B, f * k)  # M = dropped
+        par = jnp.broadcast_to(nodes_bf[..., None], (B, f, k)).reshape(B, f * k)
+        par_depth = jnp.take_along_axis(tree.depths, nodes_bf, axis=1)
+        par_score = jnp.take_along_axis(tree.scores, nodes_bf, axis=1)
+        par_anc = jnp.take_along_axis(tree.ancestors, nodes_bf[..., None], axis=1)  # [B, f, M]
+        anc_new = jnp.broadcast_to(par_anc[:, :, None, :], (B, f, k, M)).reshape(B, f * k, M)
+        anc_new = anc_new | jax.nn.one_hot(dst, M, dtype=bool)
+        nodes_drop = jnp.where(ok_bf, nodes_bf, M)
+        tree = DraftTree(
+            tokens=tree.tokens.at[rows, dst].set(tok.reshape(B, f * k), mode="drop"),
+            parents=tree.parents.at[rows, dst].set(par, mode="drop"),
+            depths=tree.depths.at[rows, dst].set(jnp.repeat(par_depth + 1, k, axis=1), mode="drop"),
+            valid=tree.valid.at[rows, dst].set(True, mode="drop"),
+            scores=tree.scores.at[rows, dst].set((par_score[..., None] + lp).reshape(B, f * k), mode="drop"),
+            ancestors=tree.ancestors.at[rows, dst].set(anc_new, mode="drop"),
+            children=tree.children.at[rows, nodes_drop].set(jnp.where(keep, new, -1), mode="drop"),
+            expanded=tree.expanded.at[rows, nodes_drop].set(True, mode="drop"),
+            draft_probs=tree.draft_probs.at[rows, nodes_drop].set(probs, mode="drop"),
+        )
+        return tree, count_b + jnp.sum(take, axis=1)
+
+    root = jnp.zeros((B, 1), jnp.int32)
+    tree, count_b = attach(tree, count_b, keys[0], root, jnp.ones((B, 1), bool), root_logits_bv[:, None])
+    f = min(k, M - 1)
+    for r in range(1, spec.depth):
+        eligible = tree.valid & ~tree.expanded & (tree.depths < spec.depth)
+        score = jnp.where(eligible, tree.scores, -jnp.inf)
+        top, nodes = jax.lax.top_k(score, f)
+        ok = (top > -jnp.inf) & (count_b[:, None] < M)
+        logits, aux = expand(tree, nodes.astype(jnp.int32), ok, aux)
+        tree, count_b = attach(tree, count_b, keys[r], nodes.astype(jnp.int32), ok, logits)
+    return tree, aux
+
+
+def greedy_tree_accept(tree: DraftTree, target_logits_bmv: jax.Array, depth: int):
+    """Greedy: the deepest node whose path matches the target's argmax at every parent.
+
+    Returns:
+      (accepted drafts n [B], next token [B] (the target argmax after the last accepted node), path [B, depth + 1]
+      node indices of the accepted path (entries past n repeat the last accepted node)).
+    """
+    argmax = jnp.argmax(target_logits_bmv, axis=-1).astype(jnp.int32)  # [B, M]
+    match = tree.valid & (tree.tokens == jnp.take_along_axis(argmax, tree.parents, axis=1))
+    ok = jnp.zeros_like(match).at[:, 0].set(True)
+    for d in range(1, depth + 1):
+        ok = ok | ((tree.depths == d) & match & jnp.take_along_axis(ok, tree.parents, axis=1))
+    n = jnp.max(jnp.where(ok, tree.depths, 0), axis=1)
+    last = jnp.argmax(ok & (tree.depths == n[:, None]), axis=1).astype(jnp.int32)
+    nxt = jnp.take_along_axis(argmax, last[:, None], axis=1)[:, 0]
+    return n, nxt, path_to(tree, last, n, depth)
+
+
+def path_to(tree: DraftTree, last_b: jax.Array, n_b: jax.Array, depth: int) -> jax.Array:
+    """[B, depth + 1] the nodes on the path root -> last (last at index n, repeated after it)."""
+    path = jnp.broadcast_to(last_b[:, None], (last_b.shape[0], depth + 1))
+    cur = last_b
+    for d in range(depth, -1, -1):
+        on = d <= n_b
+        path = path.at[:, d].set(jnp.where(on, cur, last_b))
+        cur = jnp.where(on & (d > 0), jnp.take_along_axis(tree.parents, cur[:, None], axis=1)[:, 0], cur)
+    return path
+
+
+def tree_accept(key: jax.Array, tree: DraftTree, target_probs_bmv: jax.Array, depth: int):
+    """Exact recursive rejection over the tree with the draft's real probabilities (temperature > 0).
+
+    Returns:
+      (accepted drafts n [B], next token [B], path [B, depth + 1]) as `greedy_tree_accept`.
+    """
+    return _recursive_rejection(key, tree, target_probs_bmv, depth)
+
+
+def _recursive_rejection(key, tree: DraftTree, target_probs_bmv, depth: int, *, residual: bool = True):
+    """`tree_accept`; residual=False is a deliberately wrong variant for tests: after the siblings are rejected the
+    next token is drawn from the target's distribution instead of the residual."""
+    B, M, V = target_probs_bmv.shape
+    k = tree.children.shape[-1]
+    rows = jnp.arange(B)
+    u_all = jax.random.uniform(jax.random.fold_in(key, 0), (depth + 1, k, B))
+    k_final = jax.random.fold_in(key, 1)
+
+    def level(d, carry):
+        u, n, alive, nxt, p_final = carry
+        p = target_probs_bmv[rows, u]
+        q = tree.draft_probs[rows, u]
+        chosen = jnp.full((B,), -1, jnp.int32)
+        for i in range(k):
+            c = tree.children[rows, u, i]
+            exists = alive & (chosen < 0) & (c >= 0)
+            cc = jnp.maximum(c, 0)
+            exists = exists & tree.valid[rows, cc]
+            tok = tree.tokens[rows, cc]
+            pc = p[rows, tok]
+            qc = q[rows, tok]
+            accept = exists & (u_all[d, i] * qc < pc)
+            chosen = jnp.where(accept, c, chosen)
+            reject = (exists & ~accept)[:, None]
+            resid = jnp.maximum(p - q, 0.0)
+            total = jnp.sum(resid, axis=-1, keepdims=True)
+            resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p)
+            q_wo = q.at[rows, tok].set(0.0)
+            q_total = jnp.sum(q_wo, axis=-1, keepdims=True)
+            q_wo = jnp.where(q_total > 0, q_wo / jnp.where(q_total > 0, q_total, 1.0), q_wo)
+            p = jnp.where(reject, resid, p)
+            q = jnp.where(reject, q_wo, q)
+        stop = alive & (chosen < 0)
+        p_final = jnp.where(stop[:, None], p if residual else target_probs_bmv[rows, u], p_final)
+        n = jnp.where(alive & (chosen >= 0), n + 1, n)
+        u = jnp.where(alive & (chosen >= 0), chosen, u)
+        return u, n, alive & (chosen >= 0), nxt, p_final
+
+    init = (
+        jnp.zeros((B,), jnp.int32),
+        jnp.zeros((B,), jnp.int32),
+        jnp.ones((B,), bool),
+        jnp.zeros((B,), jnp.int32),
+        jnp.zeros((B, V), jnp.float32),
+    )
+    u, n, alive, _, p_final = jax.lax.fori_loop(0, depth + 1, level, init)
+    nxt = jax.random.categorical(k_final, jnp.log(p_final), axis=-1).astype(jnp.int32)
+    return n, nxt, path_to(tree, u, n, depth)
+
+
+def compact_path(cache: KVCache, base_b: jax.Array, path_bd: jax.Array) -> KVCache:
+    """Moves the KV of the accepted path's nodes (written at slots base + node) to slots base + depth.
+
+    Args:
+      cache: the target cache after the tree forward (lengths = base).
+      base_b: int32 [B] the slot of the root.
+      path_bd: int32 [B, D + 1] path node indices (`greedy_tree_accept` / `tree_accept`).
+    Returns:
+      The cache with slots base + arange(D + 1) holding the path (lengths unchanged).
+    """
+    B, D1 = path_bd.shape
+    rows = jnp.arange(B)[:, None]
+    src = base_b[:, None] + path_bd
+    dst = base_b[:, None] + jnp.arange(D1)[None, :]
+    k_path = cache.k[:, rows, src]  # [L, B, D1, K, H], gathered before any write
+    v_path = cache.v[:, rows, src]
+    return dataclasses.replace(
+        cache, k=cache.k.at[:, rows, dst].set(k_path, mode="drop"), v=cache.v.at[:, rows, dst].set(v_path, mode="drop")
+    )
