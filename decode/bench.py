@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from decode import cli
 from specjax import speculative
+from specjax.calibrate import forward_costs, round_breakdown
 from specjax.config import SamplingConfig
 from specjax.drafters import LayerSkipDrafter, NgramDrafter, load_eagle3_drafter
 from specjax.errors import InputError
@@ -36,22 +37,30 @@ class ModeRun:
     outputs: list[list[int]]  # generated ids per prompt
     batch_seconds: list[float]
     batch_tokens: list[int]
-    accepted: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (mean accepted, rounds) per batch
+    histogram: list[int] | None = None  # speculative modes: row-rounds that accepted 0..K drafts, summed
+    rounds: int = 0
+    breakdown: dict | None = None  # speculative modes: where a round's time goes (specjax.calibrate)
 
     def summary(self, ar: ModeRun | None, greedy: bool) -> dict:
         rates = [n / s for n, s in zip(self.batch_tokens, self.batch_seconds)]
         total_tokens, total_seconds = sum(self.batch_tokens), sum(self.batch_seconds)
-        rounds = sum(r for _, r in self.accepted)  # speculative modes: weight each batch's mean by its rounds
         tokens_per_s = statistics.median(rates)
         ar_rate = statistics.median(n / s for n, s in zip(ar.batch_tokens, ar.batch_seconds)) if ar else None
+        stats = (
+            speculative.SpecStats.from_histogram(self.rounds, self.histogram, total_tokens, total_seconds)
+            if self.histogram
+            else None
+        )
         return {
             "mode": self.mode,
             "tokens_per_s": tokens_per_s,
             "total_tokens": total_tokens,
             "total_seconds": total_seconds,
-            "mean_accepted": sum(m * r for m, r in self.accepted) / rounds if rounds else None,
+            "mean_accepted": stats.mean_accepted if stats else None,
+            "acceptance_by_position": stats.acceptance_by_position if stats else None,
             "speedup_vs_ar": tokens_per_s / ar_rate if ar_rate else None,
             "identical_to_ar": (self.outputs == ar.outputs) if (ar and greedy) else None,
+            **({"breakdown": self.breakdown} if self.breakdown else {}),
         }
 
 
@@ -118,6 +127,7 @@ def specjax_speculative(kind: str) -> Callable[..., Runner]:
 
     def factory(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int, **options):
         k = options.get("num_draft_tokens", 5)
+        tree = None
         if kind == "ngram":
             drafter = NgramDrafter(max_n=options.get("ngram", 3))
         elif kind in ("eagle3-chain", "eagle3-tree"):
@@ -130,6 +140,8 @@ def specjax_speculative(kind: str) -> Callable[..., Runner]:
         else:
             layers = options.get("draft_layers") or max(1, model.cfg.num_layers // 4)
             drafter = LayerSkipDrafter(model.weights, model.cfg, layers)
+        if k == "auto":
+            k = cli.auto_draft_tokens(model, drafter, options["calibration_prompt"], sampling, eos)
         speculative.check_inputs(model.cfg, drafter, k)
 
         def run(group, max_new_tokens, seed):
@@ -137,8 +149,10 @@ def specjax_speculative(kind: str) -> Callable[..., Runner]:
                 model.weights, model.cfg, group, drafter=drafter, num_draft_tokens=k, max_new_tokens=max_new_tokens,
                 sampling=sampling, seed=seed, eos_ids=eos, batch_size=batch_size,
             )  # fmt: skip
-            return [c.output_ids for c in out.completions], out.seconds, (out.stats.mean_accepted, out.stats.rounds)
+            return [c.output_ids for c in out.completions], out.seconds, out.stats
 
+        run.num_draft_tokens = k  # draft steps per round (tree: depth)
+        run.verify_tokens = tree.budget if tree is not None else k + 1
         return run
 
     return factory
@@ -160,12 +174,25 @@ def measure(mode: str, runner: Runner, groups, max_new_tokens: int, seed: int) -
     runner(groups[0], 4, seed)  # warm-up: compilation, allocator, thread pools
     run = ModeRun(mode, [], [], [])
     for i, group in enumerate(tqdm(groups, desc=mode, file=sys.stderr, leave=False)):
-        outputs, seconds, *accepted = runner(group, max_new_tokens, seed + i)
-        run.accepted += accepted
+        outputs, seconds, *stats = runner(group, max_new_tokens, seed + i)
         run.outputs += outputs
         run.batch_seconds.append(seconds)
         run.batch_tokens.append(sum(map(len, outputs)))
+        if stats:
+            hist = stats[0].accepted_histogram
+            run.histogram = [a + b for a, b in zip(run.histogram, hist)] if run.histogram else list(hist)
+            run.rounds += stats[0].rounds
     return run
+
+
+def add_breakdown(run: ModeRun, runner: Runner, model: LoadedModel, groups, max_new_tokens: int) -> None:
+    """Measures the target's step and verification costs at this shape and splits the mode's rounds with them."""
+    context = int(statistics.median(len(p) for g in groups for p in g)) + max_new_tokens // 2
+    costs = forward_costs(model.weights, model.cfg, len(groups[0]), context, runner.verify_tokens)
+    stats = speculative.SpecStats.from_histogram(run.rounds, run.histogram, sum(run.batch_tokens), 1.0)
+    run.breakdown = round_breakdown(
+        costs, sum(run.batch_seconds), run.rounds, stats.mean_accepted, runner.num_draft_tokens
+    )
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
@@ -173,14 +200,17 @@ def markdown_table(rows: Sequence[dict]) -> str:
         return "–" if x is None else f"{x:.2f}{suffix}"
 
     lines = [
-        "| mode | tokens/s (median) | speedup vs ar | mean accepted | identical to ar |",
-        "|---|---:|---:|---:|:---:|",
+        "| mode | tokens/s (median) | speedup vs ar | mean accepted | draft cost c | verify cost | "
+        "predicted speedup | identical to ar |",
+        "|---|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for r in rows:
         same = {None: "–", True: "yes", False: "no"}[r["identical_to_ar"]]
+        b = r.get("breakdown") or {}
         lines.append(
             f"| {r['mode']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'], 'x')} | "
-            f"{fmt(r['mean_accepted'])} | {same} |"
+            f"{fmt(r['mean_accepted'])} | {fmt(b.get('cost_ratio'))} | {fmt(b.get('verify_ratio'), 'x')} | "
+            f"{fmt(b.get('predicted_speedup'), 'x')} | {same} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -211,7 +241,10 @@ def parser() -> cli.ArgumentParser:
     cli.add_model_args(p)
     cli.add_sampling_args(p)
     p.add_argument("--modes", default="ar,hf", help=f"comma-separated, from: {', '.join(MODES)}")
-    p.add_argument("--num-draft-tokens", type=int, default=5, help="K for the speculative modes")
+    p.add_argument(
+        "--num-draft-tokens", type=cli.draft_tokens, default=5,
+        help="K for the chain modes; 'auto' calibrates K per mode on the first prompt",
+    )  # fmt: skip
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram the ngram mode matches")
     p.add_argument("--draft-layers", type=int, default=None, help="layers of the layerskip drafter (default L/4)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder for the eagle3-chain / eagle3-tree modes")
@@ -247,10 +280,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     for mode in modes:
         options = dict(
             num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, draft_layers=args.draft_layers,
-            eagle3=args.eagle3, tree=args.tree,
+            eagle3=args.eagle3, tree=args.tree, calibration_prompt=groups[0][0],
         )  # fmt: skip
         runner = MODES[mode](model, sampling, eos, batch_size, **(options if mode in SPECULATIVE_MODES else {}))
         runs[mode] = measure(mode, runner, groups, args.max_new_tokens, args.seed)
+        if mode in SPECULATIVE_MODES:
+            add_breakdown(runs[mode], runner, model, groups, args.max_new_tokens)
     ar = runs.get("ar")
     rows = [runs[m].summary(ar, sampling.greedy) for m in modes]
     config = {

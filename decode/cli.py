@@ -100,3 +100,26 @@ def batches(items: Sequence, size: int) -> list[Sequence]:
 def check_positive(name: str, value: int | None) -> None:
     if value is not None and value < 1:
         raise InputError(f"{name} must be >= 1, got {value}")
+
+
+def draft_tokens(value: str) -> int | str:
+    """--num-draft-tokens: a positive integer or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
+def auto_draft_tokens(model, drafter, prompt_ids, sampling, eos) -> int:
+    """K chosen by `specjax.calibrate.choose_num_draft_tokens`, reported on stderr."""
+    from specjax.calibrate import choose_num_draft_tokens
+
+    k, b = choose_num_draft_tokens(model.weights, model.cfg, drafter, prompt_ids, sampling=sampling, eos_ids=eos)
+    print(
+        f"[auto K = {k}: measured alpha {b['alpha']:.2f}, draft cost c {b['cost_ratio']:.2f}, "
+        f"verify cost {b['verify_ratio']:.2f}x a target step]",
+        file=sys.stderr,
+    )
+    return k

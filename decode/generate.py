@@ -21,7 +21,14 @@ def parser() -> cli.ArgumentParser:
     cli.add_model_args(p)
     cli.add_sampling_args(p)
     p.add_argument("--drafter", default="none", help=f"speculative drafter: {SPEC_HELP}")
-    p.add_argument("--num-draft-tokens", type=int, default=5, help="K, draft tokens per round (with --drafter)")
+    p.add_argument(
+        "--num-draft-tokens", type=cli.draft_tokens, default=5,
+        help="K, draft tokens per round (with --drafter); 'auto' picks K from a short calibration",
+    )  # fmt: skip
+    p.add_argument(
+        "--compare-ar", action="store_true",
+        help="also decode the same prompts autoregressively and report the speedup (with --drafter)",
+    )  # fmt: skip
     p.add_argument(
         "--tree", default=None, metavar="DEPTH,TOPK,BUDGET",
         help="with --drafter eagle3:PATH: draft a dynamic tree (BUDGET nodes including the root) instead of a chain",
@@ -47,11 +54,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = load_model(args.model)
     tok = model.tokenizer
     drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=_load_draft, tree=tree)
-    if drafter is not None:
-        speculative.check_inputs(model.cfg, drafter, args.num_draft_tokens)
     prompts = [p for p in prompts for _ in range(args.num_samples)]  # each prompt's samples are adjacent
     prompt_ids = cli.encode_prompts(tok, prompts, args.raw)
     eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(tok.eos_token_ids)))
+    if drafter is not None and args.num_draft_tokens == "auto":
+        args.num_draft_tokens = (
+            8 if tree is not None else cli.auto_draft_tokens(model, drafter, prompt_ids[0], sampling, eos)
+        )
+    if drafter is not None:
+        speculative.check_inputs(model.cfg, drafter, args.num_draft_tokens)
     batch_size = args.batch_size or (min(args.num_samples, 64) if args.num_samples > 1 else min(len(prompts), 8))
 
     results = []
@@ -76,6 +87,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "rounds": out.stats.rounds,
                 "acceptance_by_position": out.stats.acceptance_by_position,
             }
+            if args.compare_ar:
+                ar = generate(model.weights, model.cfg, group, batch_size=batch_size, **kw)
+                spec_stats["ar_tokens_per_s"] = ar.new_tokens / ar.seconds
+                spec_stats["speedup_vs_ar"] = (out.new_tokens / out.seconds) / spec_stats["ar_tokens_per_s"]
+                if sampling.greedy:
+                    same = [c.output_ids for c in ar.completions] == [c.output_ids for c in out.completions]
+                    spec_stats["identical_to_ar"] = same
         if out.compile_seconds:
             print(f"[compiled in {out.compile_seconds:.1f} s]", file=sys.stderr)
         for i, c in enumerate(out.completions):
@@ -95,11 +113,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             for r in results[start:]:
                 s = r["stats"]
                 print(f"\n>>> {r['prompt']}\n{r['text']}")
-                accepted = f", {s['mean_accepted']:.2f} tokens/round" if "mean_accepted" in s else ""
+                accepted = f", mean accepted length {s['mean_accepted']:.2f}" if "mean_accepted" in s else ""
                 print(
                     f"[{s['new_tokens']} tokens, {r['finish_reason']}; batch of {len(group)}: "
-                    f"{sum(len(c.output_ids) for c in out.completions) / out.seconds:.1f} tok/s{accepted}]"
+                    f"{out.new_tokens / out.seconds:.1f} tok/s{accepted}]"
                 )
+                if "speedup_vs_ar" in s:
+                    same = {True: ", identical output", False: ", different output", None: ""}
+                    print(
+                        f"[autoregressive, same prompt and run: {s['ar_tokens_per_s']:.1f} tok/s; speedup "
+                        f"{s['speedup_vs_ar']:.2f}x{same[s.get('identical_to_ar')]}]"
+                    )
     if args.json_out:
         config = {
             "model": args.model,
