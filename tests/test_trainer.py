@@ -245,7 +245,7 @@ def _snapshot(folder: Path) -> dict:
         (["mesh.data=2"], r"needs 2 devices, but 1 are available"),
         (["model.tap_layers=[1, 2, 9]"], r"tap layers \[1, 2, 9\] must be .* 0\.\.3"),
         (["training.learning_rate=0.1"], r"holds a run made with different training settings"),
-        (["--stages", "train,evaluate"], r"evaluate stage is not available yet"),
+        (["--stages", "train,evalute"], r"unknown stage"),
     ],
     ids=[
         "unknown-key",

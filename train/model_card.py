@@ -52,7 +52,17 @@ def model_card(cfg: TrainConfig, head_cfg, manifest: dict, coverage: float | Non
         "## Evaluation",
     ]
     if evaluation:
-        lines += [f"- {k}: {v}" for k, v in evaluation.items()]
+        lines.append(
+            f"Greedy speculative decoding of the {evaluation['prompts']} held-out prompts (at most "
+            f"{evaluation['max_new_tokens']} new tokens), checkpoint of step {evaluation['step']}:"
+        )
+        for name in ("chain", "tree"):
+            e = evaluation[name]
+            by_pos = ", ".join(f"{a:.2f}" for a in e["acceptance_by_position"])
+            lines.append(
+                f"- {name} ({e['drafts']}): mean accepted length {e['mean_accepted']:.2f} tokens per target forward "
+                f"(bonus included); acceptance by draft position {by_pos}"
+            )
     else:
         lines.append("- not evaluated")
     lines += ["", "## Config", "```yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False).rstrip(), "```", ""]

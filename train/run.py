@@ -1,10 +1,10 @@
 """The training pipeline's stages, each runnable alone and resumable, all writing under `output_dir`:
 
-  regenerate -> data/      the target's own responses to the prompts (token arrays + assistant-only loss masks)
-  vocab      -> vocab.npz  the draft vocabulary (d2t / t2d) from assistant-token frequencies
-  train      -> train/     orbax checkpoints + metrics.jsonl
-  evaluate   -> eval.json  mean accepted length on held-out prompts, by real speculative decoding
-  export     -> export/    a LlamaForCausalLMEagle3 folder (config.json + model.safetensors + README.md)
+regenerate -> data/      the target's own responses to the prompts (token arrays + assistant-only loss masks)
+vocab      -> vocab.npz  the draft vocabulary (d2t / t2d) from assistant-token frequencies
+train      -> train/     orbax checkpoints + metrics.jsonl
+evaluate   -> eval.json  mean accepted length on held-out prompts, by real speculative decoding
+export     -> export/    a LlamaForCausalLMEagle3 folder (config.json + model.safetensors + README.md)
 """
 
 from __future__ import annotations
@@ -18,15 +18,21 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from tqdm import tqdm
 
+from decode.cli import read_prompts_file
+from specjax import speculative
+from specjax.drafters import Eagle3Drafter
 from specjax.errors import InputError
 from specjax.io.eagle3_checkpoint import save_eagle3
 from specjax.io.models import LoadedModel, load_model
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.sharding import make_mesh
+from specjax.tree import TreeSpec
 from train.batches import BatchSource
 from train.config import TrainConfig, config_to_dict
 from train.data import load_prompts, load_samples, regenerate
+from train.model_card import model_card
 from train.trainer import Trainer, checkpoint_manager, restore_latest, train
 from train.vocab import draft_vocab, load_vocab, save_vocab
 
@@ -128,6 +134,47 @@ def stage_train(cfg: TrainConfig, model: LoadedModel, stop_after: int | None = N
     train(trainer, source, cfg.output_path / "train", stop_after=stop_after)
 
 
+EVAL_DRAFT_TOKENS = 5
+EVAL_TREE = "5,4,24"  # depth, top-k, budget
+
+
+def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
+    """Mean accepted length (tokens per target forward, bonus included) of the latest checkpoint on the held-out
+    prompts, by greedy speculative decoding with chain (K = 5) and tree drafting; written to eval.json."""
+    trainer, _ = build_trainer(cfg, model)
+    manager = checkpoint_manager(trainer, cfg.output_path / "train")
+    state = restore_latest(trainer, manager)
+    manager.close()
+    if int(state["step"]) == 0:
+        raise InputError(f"{cfg.output_dir}/train holds no checkpoint; run the train stage first")
+    head = trainer.export_head(state)
+    prompts = read_prompts_file(cfg.output_path / "data" / "eval_prompts.jsonl")
+    ids = [model.tokenizer.chat_prompt_ids(p) for p in prompts]
+    eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(model.tokenizer.eos_token_ids)))
+    report = {"step": int(state["step"]), "prompts": len(ids), "max_new_tokens": cfg.data.max_new_tokens}
+    for name, tree in (("chain", None), ("tree", TreeSpec.parse(EVAL_TREE))):
+        drafter = Eagle3Drafter.create(head, model.weights.embed, tree)
+        k = tree.depth if tree else EVAL_DRAFT_TOKENS
+        hist = None
+        for prompt in tqdm(ids, desc=f"evaluate {name}", file=sys.stderr):
+            out = speculative.generate(
+                model.weights, model.cfg, [prompt], drafter=drafter, num_draft_tokens=k,
+                max_new_tokens=cfg.data.max_new_tokens, eos_ids=eos,
+            )  # fmt: skip
+            h = out.stats.accepted_histogram
+            hist = h if hist is None else [a + b for a, b in zip(hist, h)]
+        stats = speculative.SpecStats.from_histogram(sum(hist), hist, 0, 1.0)
+        report[name] = {
+            "drafts": f"K={k}" if tree is None else f"tree {EVAL_TREE}",
+            "mean_accepted": stats.mean_accepted,
+            "acceptance_by_position": stats.acceptance_by_position,
+        }
+        print(f"{name}: mean accepted length {stats.mean_accepted:.2f}", file=sys.stderr)
+    if jax.process_index() == 0:
+        (cfg.output_path / "eval.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
 def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
     trainer, _ = build_trainer(cfg, model)
     manager = checkpoint_manager(trainer, cfg.output_path / "train")
@@ -141,35 +188,36 @@ def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
     folder = cfg.output_path / "export"
     if jax.process_index() == 0:  # one writer
         save_eagle3(folder, head.cfg, head, dtype=jnp.bfloat16)
+        out = cfg.output_path
+        manifest = json.loads((out / "data" / "manifest.json").read_text())
+        vocab = out / "vocab.json"
+        coverage = json.loads(vocab.read_text())["coverage"] if vocab.exists() else None
+        evaluation = json.loads((out / "eval.json").read_text()) if (out / "eval.json").exists() else None
+        (folder / "README.md").write_text(model_card(cfg, head.cfg, manifest, coverage, evaluation))
     return folder
 
 
 def run(cfg: TrainConfig, stages: list[str]) -> None:
     """Runs the given stages (names from STAGES, or ["all"]) in pipeline order, after checking what can be checked
     before anything is written."""
-    skipped = []
     if list(stages) == ["all"]:
-        stages = [s for s in STAGES if s in IMPLEMENTED]
-        skipped = [s for s in STAGES if s not in IMPLEMENTED]
+        stages = list(STAGES)
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise InputError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)} or all")
-    missing = [s for s in stages if s not in IMPLEMENTED]
-    if missing:
-        raise InputError(
-            f"the {', '.join(missing)} stage is not available yet; run the others "
-            f"(--stages {','.join(s for s in STAGES if s in IMPLEMENTED)})"
-        )
     maybe_initialize_distributed(cfg)
     model = load_model(cfg.model.target)
     validate(cfg, model, stages)
     record_config(cfg)
-    if skipped:
-        print(f"note: the {', '.join(skipped)} stage is not available yet; skipped", file=sys.stderr)
     for stage in (s for s in STAGES if s in stages):
         print(f"== {stage}", file=sys.stderr)
-        IMPLEMENTED[stage](cfg, model)
+        STAGE_FUNCTIONS[stage](cfg, model)
 
 
-# The stages that exist so far (evaluate is still to come).
-IMPLEMENTED = {"regenerate": stage_regenerate, "vocab": stage_vocab, "train": stage_train, "export": stage_export}
+STAGE_FUNCTIONS = {
+    "regenerate": stage_regenerate,
+    "vocab": stage_vocab,
+    "train": stage_train,
+    "evaluate": stage_evaluate,
+    "export": stage_export,
+}
