@@ -18,8 +18,10 @@ venv: $(BIN)/python
 dev: venv
 	$(BIN)/pip install -q -e '.[dev]'
 
+# EAGLE-3 tree drafting with the shipped head, and plain decoding of the same prompt in the same run for the speedup.
 demo: venv
-	$(BIN)/specjax-generate --prompt "$(PROMPT)" --max-new-tokens 128
+	$(BIN)/specjax-generate --drafter eagle3:smollm2-135m --tree 3,2,6 --compare-ar --prompt "$(PROMPT)" \
+		--max-new-tokens 128
 
 test: dev
 	$(BIN)/python -m pytest

@@ -38,7 +38,8 @@ __all__ = [
 
 SPEC_HELP = (
     "none, ngram[:N] (N = longest n-gram, default 3), layerskip:N (first N layers), model:PATH, "
-    "eagle3:PATH (an EAGLE-3 head folder; with --tree for tree drafting)"
+    "eagle3:PATH (an EAGLE-3 head folder, or eagle3:smollm2-135m for the built-in head; with --tree for tree "
+    "drafting)"
 )
 
 

@@ -10,6 +10,7 @@ and never advances: the next commit overwrites them.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -199,13 +200,18 @@ class Eagle3Drafter:
         return tree, dataclasses.replace(state, cache=cache)
 
 
+# Heads shipped inside the package, by name: the EAGLE-3 head trained by specjax for the embedded SmolLM2.
+BUILTIN_HEADS = {"smollm2-135m": Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3"}
+
+
 def load_eagle3_drafter(
     path: str, target_cfg: ModelConfig, target_embed: jax.Array, tree: TreeSpec | None = None
 ) -> Eagle3Drafter:
-    """Loads a published-format EAGLE-3 head folder for this target. Raises CheckpointError / InputError."""
+    """Loads a published-format EAGLE-3 head folder (or a built-in head by name, e.g. "smollm2-135m") for this
+    target. Raises CheckpointError / InputError."""
     from specjax.io.eagle3_checkpoint import load_eagle3
 
-    _, head = load_eagle3(path, target_cfg, dtype=target_embed.dtype)
+    _, head = load_eagle3(BUILTIN_HEADS.get(path, path), target_cfg, dtype=target_embed.dtype)
     drafter = Eagle3Drafter.create(head, target_embed, tree)
     drafter.validate(target_cfg, 1)
     return drafter
