@@ -48,9 +48,7 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     return Mesh(np.array(devices).reshape(tuple(sizes.values())), tuple(sizes))
 
 
-def partition_spec(
-    axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES
-) -> PartitionSpec:
+def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> PartitionSpec:
     """The PartitionSpec of an array with these logical axes on `mesh`.
 
     A rule maps a logical axis to one mesh axis or a tuple of them (e.g. batch over ("data", "fsdp")).
