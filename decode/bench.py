@@ -90,8 +90,11 @@ def specjax_ar(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...
     return run
 
 
-def hf_generate(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int) -> Runner:
-    """HF transformers `generate` on the same float32 weights (read from the converted HF folder)."""
+def hf_generate(
+    model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int, prompt_lookup: int = 0
+) -> Runner:
+    """HF transformers `generate` on the same float32 weights (read from the converted HF folder); with
+    `prompt_lookup` > 0, its prompt-lookup decoding drafting that many tokens per round."""
     try:
         import torch
         import transformers
@@ -104,6 +107,8 @@ def hf_generate(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ..
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     pad = eos[0]
     kwargs = dict(max_new_tokens=0, eos_token_id=list(eos), pad_token_id=pad, do_sample=not sampling.greedy)
+    if prompt_lookup:
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup
     if not sampling.greedy:
         kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
 
@@ -161,6 +166,7 @@ def specjax_speculative(kind: str) -> Callable[..., Runner]:
 MODES: dict[str, Callable[..., Runner]] = {
     "ar": specjax_ar,
     "hf": hf_generate,
+    "hf-pld": lambda model, sampling, eos, batch_size: hf_generate(model, sampling, eos, batch_size, prompt_lookup=5),
     "ngram": specjax_speculative("ngram"),
     "layerskip": specjax_speculative("layerskip"),
     "eagle3-chain": specjax_speculative("eagle3-chain"),

@@ -226,6 +226,21 @@ def test_smoke_pipeline_exports_a_loadable_head(smoke_run):
     assert logits.shape == (1, 6, 512) and bool(jnp.isfinite(logits).all())
     assert bool(jnp.isfinite(out_prenorm).all())
 
+    # The exported head drafts for real: greedy EAGLE-3 decoding (chain and tree) equals autoregressive decoding.
+    from specjax import speculative
+    from specjax.drafters import load_eagle3_drafter
+    from specjax.generate import generate
+    from specjax.tree import TreeSpec
+
+    prompts = [target.tokenizer.chat_prompt_ids(p) for p in ("Hello!", "Write a function that adds two numbers.")]
+    expected = [c.output_ids for c in generate(target.weights, target.cfg, prompts, max_new_tokens=16).completions]
+    for tree in (None, TreeSpec(3, 2, 6)):
+        drafter = load_eagle3_drafter(str(out / "export"), target.cfg, target.weights.embed, tree)
+        result = speculative.generate(
+            target.weights, target.cfg, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=16
+        )
+        assert [c.output_ids for c in result.completions] == expected
+
 
 def _snapshot(folder: Path) -> dict:
     return {

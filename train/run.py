@@ -120,8 +120,8 @@ def build_trainer(cfg: TrainConfig, model: LoadedModel) -> tuple[Trainer, BatchS
     d2t, t2d = load_vocab(cfg.output_path / "vocab.npz")
     head_cfg = head_config(cfg, model)
     head = Eagle3Head(head_cfg, rngs=nnx.Rngs(cfg.training.seed))
-    head.d2t.value = jnp.asarray(d2t, jnp.int32)
-    head.t2d.value = jnp.asarray(t2d)
+    head.d2t[...] = jnp.asarray(d2t, jnp.int32)
+    head.t2d[...] = jnp.asarray(t2d)
     mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
     source = BatchSource(
         load_samples(cfg.output_path / "data"), cfg.training.batch_size, cfg.training.seq_len, cfg.training.seed
