@@ -52,6 +52,7 @@ class TrainingSection:
     ttt_length: int = 7  # training-time-test unroll K
     step_decay: float = 0.8  # loss weight of unroll step k is step_decay**k
     seed: int = 0
+    stop_after: int | None = None  # end the train stage after this step, keeping the schedule of `steps`
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,7 +62,8 @@ def record_config(cfg: TrainConfig) -> None:
         for section in _DATA_SECTIONS + (_TRAIN_SECTIONS if trained else ()):
             a, b = dict(previous.get(section, {})), dict(current[section])
             if section == "training":
-                a.pop("steps", None), b.pop("steps", None)
+                for key in ("steps", "stop_after"):
+                    a.pop(key, None), b.pop(key, None)
             if a != b:
                 raise InputError(
                     f"{cfg.output_dir} holds a run made with different {section} settings; "
@@ -129,9 +130,9 @@ def build_trainer(cfg: TrainConfig, model: LoadedModel) -> tuple[Trainer, BatchS
     return Trainer(cfg, model.cfg, model.weights, head, mesh), source
 
 
-def stage_train(cfg: TrainConfig, model: LoadedModel, stop_after: int | None = None) -> None:
+def stage_train(cfg: TrainConfig, model: LoadedModel) -> None:
     trainer, source = build_trainer(cfg, model)
-    train(trainer, source, cfg.output_path / "train", stop_after=stop_after)
+    train(trainer, source, cfg.output_path / "train", stop_after=cfg.training.stop_after)
 
 
 EVAL_DRAFT_TOKENS = 5
