@@ -230,7 +230,7 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(rows), 3.6))
     names = [r["mode"] for r in rows]
     rates = [r["tokens_per_s"] for r in rows]
-    bars = ax.bar(names, rates, color=["#777" if n in ("ar", "hf") else "#2a7" for n in names])
+    bars = ax.bar(names, rates, color=["#777" if n in ("ar", "hf", "hf-pld") else "#2a7" for n in names])
     for bar, r in zip(bars, rows):
         label = f"{r['tokens_per_s']:.1f}" + (f"\n{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "")
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
