@@ -160,6 +160,28 @@ def generate(
     Returns:
       A GenerateResult with one Completion per prompt, in order.
     """
+    tokens, lengths, eos = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size)
+    args = (weights, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
+    static = dict(cfg=cfg, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos)
+    compiled, compile_seconds = _compiled(decode, args, static)
+    t0 = time.perf_counter()
+    out, num_new = jax.device_get(compiled(*args))
+    seconds = time.perf_counter() - t0
+    return GenerateResult(completions(prompts, out, num_new, eos), seconds, compile_seconds)
+
+
+def prepare_batch(
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int] | None,
+    batch_size: int | None,
+) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """Validates a generation request and packs its prompts.
+
+    Returns:
+      (tokens [batch, bucket], lengths [batch], EOS ids). Raises InputError for a bad request.
+    """
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     batch = batch_size or len(prompts)
@@ -173,18 +195,16 @@ def generate(
             f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model's maximum length "
             f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens"
         )
-    args = (weights, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
-    static = dict(cfg=cfg, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos)
-    compiled, compile_seconds = _compiled(decode, args, static)
-    t0 = time.perf_counter()
-    out, num_new = jax.device_get(compiled(*args))
-    seconds = time.perf_counter() - t0
-    completions = []
+    return tokens, lengths, eos
+
+
+def completions(prompts: Sequence[Sequence[int]], out_bn, num_new_b, eos: tuple[int, ...]) -> list[Completion]:
+    """One Completion per prompt from the decoded token buffer and per-row counts."""
+    result = []
     for i, prompt in enumerate(prompts):
-        ids = [int(t) for t in out[i, : num_new[i]]]
-        reason = "stop" if ids and ids[-1] in eos else "length"
-        completions.append(Completion(list(prompt), ids, reason))
-    return GenerateResult(completions, seconds, compile_seconds)
+        ids = [int(t) for t in np.asarray(out_bn[i, : num_new_b[i]])]
+        result.append(Completion(list(prompt), ids, "stop" if ids and ids[-1] in eos else "length"))
+    return result
 
 
 _EXECUTABLES: dict = {}

@@ -26,12 +26,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.drafters.base import Drafter, commit_to, tap_layers_of
 from specjax.errors import InputError
-from specjax.generate import Completion, _compiled, _is_eos, pack_prompts, prefill
+from specjax.generate import Completion, _compiled, _is_eos, completions, prefill, prepare_batch
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.sampling import probabilities, sample
@@ -344,23 +343,12 @@ def generate(
     Returns:
       A SpecResult with one Completion per prompt, in order, and the acceptance statistics.
     """
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     tree = getattr(drafter, "tree", None)
     if tree is not None:
         num_draft_tokens = tree.depth  # a tree drafter verifies `budget` nodes; K is the deepest path
     check_inputs(cfg, drafter, num_draft_tokens)
-    batch = batch_size or len(prompts)
-    if batch < len(prompts):
-        raise InputError(f"{len(prompts)} prompts do not fit in a batch of {batch}")
-    eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
-    tokens, lengths = pack_prompts(prompts, batch)
-    longest = int(lengths.max())
-    if longest + max_new_tokens > cfg.max_position_embeddings:
-        raise InputError(
-            f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model's maximum length "
-            f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens"
-        )
+    tokens, lengths, eos = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size)
+    batch = len(tokens)
     active = jnp.arange(batch) < len(prompts)
     args = (weights, drafter, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), active)
     static = dict(
@@ -371,11 +359,7 @@ def generate(
     result = compiled(*args)
     out, num_new, rounds, hist = jax.device_get((result.out_bn, result.num_new_b, result.rounds, result.accepted_hist))
     seconds = time.perf_counter() - t0
-    completions = []
-    for i, prompt in enumerate(prompts):
-        ids = [int(t) for t in np.asarray(out[i, : num_new[i]])]
-        reason = "stop" if ids and ids[-1] in eos else "length"
-        completions.append(Completion(list(prompt), ids, reason))
-    new_tokens = sum(len(c.output_ids) for c in completions)
+    results = completions(prompts, out, num_new, eos)
+    new_tokens = sum(len(c.output_ids) for c in results)
     stats = SpecStats.from_histogram(int(rounds), hist, new_tokens, seconds)
-    return SpecResult(completions, seconds, compile_seconds, stats)
+    return SpecResult(results, seconds, compile_seconds, stats)
