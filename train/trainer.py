@@ -137,7 +137,7 @@ class Trainer:
         (loss, aux), grads = grad_fn(state["params"], target_weights, batch)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def step(self, state: dict, batch: dict[str, np.ndarray]) -> tuple[dict, dict]:
