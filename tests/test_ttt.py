@@ -29,17 +29,26 @@ def make_head(seed: int = 0, draft_vocab: int = VD) -> Eagle3Head:
     return head
 
 
-def make_inputs(B: int, T: int, seed: int = 1):
+def make_inputs(B: int, T: int, seed: int = 1, vocab_ids=None):
+    """(embed, packed rows, taps, logits over the draft vocabulary): row 0 holds two samples, row 1 one sample
+    then padding. With `vocab_ids`, every other token is drawn from them (the rest mostly fall outside)."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, V, (B, T)).astype(np.int32)
+    if vocab_ids is not None:
+        tokens[:, ::2] = rng.choice(np.asarray(vocab_ids), (B, (T + 1) // 2))
+    cut = T // 2
+    segments = np.zeros((B, T), np.int32)
+    segments[0, :cut], segments[0, cut:], segments[1, : T - 3] = 1, 2, 1
+    positions = np.zeros((B, T), np.int32)
+    positions[0, :cut], positions[0, cut:], positions[1, : T - 3] = np.arange(cut), np.arange(T - cut), np.arange(T - 3)
     mask = np.zeros((B, T), np.int32)
-    mask[0, 3:] = 1  # prompt of 3, response to the end
-    mask[1, 2 : T - 3] = 1  # response, then 3 padding tokens
+    mask[0, 2:cut], mask[0, cut + 1 :], mask[1, 2 : T - 3] = 1, 1, 1  # prompts of 2, 1 and 2 tokens
     tokens[1, T - 3 :] = 0
+    rows = {"tokens": tokens, "loss_mask": mask, "positions": positions, "segments": segments}
     taps = rng.normal(size=(B, T, 3 * D)).astype(np.float32)
-    logits = (3 * rng.normal(size=(B, T, V))).astype(np.float32)
+    logits = (3 * rng.normal(size=(B, T, VD if vocab_ids is None else len(vocab_ids)))).astype(np.float32)
     embed = (0.5 * rng.normal(size=(V, D))).astype(np.float32)
-    return embed, tokens, mask, taps, logits
+    return embed, rows, taps, logits
 
 
 def _softmax(x):
@@ -47,38 +56,41 @@ def _softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
-def reference_ttt(head, embed, tokens, mask, taps, Z, K, decay):
+def reference_ttt(head, embed, rows, taps, Z, K, decay):
     """Row by row, step by step, straight from the alignment in train/ttt.py's docstring (and EAGLE3.md section 5).
 
-    Step k, row t: embedding of x[t+1+k] (id 0 past the end), position t+k, feature F[t] at k = 0 else the previous
-    step's output; attention over the concatenated keys [step-0 rows 0..t, step-1 row t, ..., step-k row t];
-    label softmax(Z[t+1+k]) over the draft vocabulary; counted when mask[t+2+k] = 1; contributes to the loss and
-    accuracy only when argmax Z[t+1+k] is in the draft vocabulary; loss and accuracy are divided by the counted rows.
+    Step k, row t: embedding of x[t+1+k] (id 0 past the end), position p[t]+k, feature F[t] at k = 0 else the
+    previous step's output; attention over the concatenated keys [step-0 rows s <= t of t's sample, step-1 row t,
+    ..., step-k row t]; label softmax(Z[t+1+k]); counted when x[t+2+k] is assistant content of t's sample;
+    contributes to the loss and accuracy only when x[t+2+k] is in the draft vocabulary; loss and accuracy are
+    divided by the counted rows.
     """
     cfg = head.cfg
+    tokens, mask, positions, segments = (rows[k] for k in ("tokens", "loss_mask", "positions", "segments"))
     B, T = tokens.shape
     N, G, Hd = cfg.num_heads, cfg.group_size, cfg.head_dim
-    draft_ids = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t[...])  # target id of each draft id
     t2d = np.asarray(head.t2d[...])
     g = np.asarray(head.fuse(jnp.asarray(taps)))
-    keys, values, losses, accs, rows = [], [], [], [], []
+    keys, values, losses, accs, rows_k = [], [], [], [], []
     for k in range(K):
         emb = np.zeros((B, T, D), np.float32)
         for b in range(B):
             for t in range(T):
                 emb[b, t] = embed[tokens[b, t + 1 + k]] if t + 1 + k < T else embed[0]
-        positions = np.tile(np.arange(T) + k, (B, 1))
-        q, key, value = (np.asarray(a, np.float64) for a in head.qkv(jnp.asarray(emb), jnp.asarray(g), positions))
+        q, key, value = (
+            np.asarray(a, np.float64) for a in head.qkv(jnp.asarray(emb), jnp.asarray(g), jnp.asarray(positions + k))
+        )
         keys.append(key)
         values.append(value)
         attn = np.zeros((B, T, N, Hd))
         for b in range(B):
             for t in range(T):
+                mine = [s for s in range(t + 1) if segments[b, s] == segments[b, t]]
                 for n in range(N):
                     kv = n // G
                     later = range(1, k + 1)  # the step-i key of row t only
-                    ks = np.concatenate([keys[0][b, : t + 1, kv]] + [keys[i][b, t : t + 1, kv] for i in later])
-                    vs = np.concatenate([values[0][b, : t + 1, kv]] + [values[i][b, t : t + 1, kv] for i in later])
+                    ks = np.concatenate([keys[0][b, mine, kv]] + [keys[i][b, t : t + 1, kv] for i in later])
+                    vs = np.concatenate([values[0][b, mine, kv]] + [values[i][b, t : t + 1, kv] for i in later])
                     p = _softmax(ks @ q[b, t, n] / np.sqrt(Hd))
                     attn[b, t, n] = p @ vs
         g = np.asarray(head.finish(jnp.asarray(g), jnp.asarray(attn, jnp.float32)))
@@ -88,38 +100,37 @@ def reference_ttt(head, embed, tokens, mask, taps, Z, K, decay):
         loss_sum, correct, counted = 0.0, 0, 0
         for b in range(B):
             for t in range(T):
-                if t + 2 + k >= T or not mask[b, t + 2 + k]:
+                u = t + 2 + k
+                if u >= T or not mask[b, u] or segments[b, u] != segments[b, t]:
                     continue
                 counted += 1
-                z = Z[b, t + 1 + k].astype(np.float64)
-                if not t2d[np.argmax(z)]:
-                    continue  # the target's choice is not in the draft vocabulary
-                label = _softmax(z[draft_ids])
+                if not t2d[tokens[b, u]]:
+                    continue  # the target's token is not in the draft vocabulary
+                label = _softmax(Z[b, t + 1 + k].astype(np.float64))
                 loss_sum += -np.sum(label * logp[b, t])
                 correct += int(np.argmax(logp[b, t]) == np.argmax(label))
         losses.append(loss_sum / max(counted, 1))
         accs.append(correct / max(counted, 1))
-        rows.append(counted)
+        rows_k.append(counted)
     total = sum(decay**k * loss for k, loss in enumerate(losses))
-    return total, np.array(losses), np.array(accs), np.array(rows)
+    return total, np.array(losses), np.array(accs), np.array(rows_k)
 
 
 @pytest.mark.parametrize("attention", [ttt_attention, dense_ttt_attention], ids=["lean", "dense"])
 def test_ttt_loss_matches_row_by_row_reference(attention):
     head = make_head(draft_vocab=6)  # a small draft vocabulary, so that some argmaxes agree by chance
-    embed, tokens, mask, taps, Z = make_inputs(2, 10)
-    Z[0, :, np.asarray(head.target_ids_of_draft_vocab())] += 2.5  # row 0: the target's choice mostly in vocabulary
+    embed, rows, taps, Z = make_inputs(2, 12, vocab_ids=np.asarray(head.target_ids_of_draft_vocab()))
     K, decay = 3, 0.8
-    ref_total, ref_loss, ref_acc, ref_rows = reference_ttt(head, embed, tokens, mask, taps, Z, K, decay)
+    ref_total, ref_loss, ref_acc, ref_rows = reference_ttt(head, embed, rows, taps, Z, K, decay)
     # The inputs exercise every branch: counted rows, dropped (out-of-vocabulary) rows, and some correct argmaxes.
-    in_vocab = np.asarray(head.t2d[...])[Z.argmax(-1)]
+    in_vocab = np.asarray(head.t2d[...])[rows["tokens"]]
     assert in_vocab.any() and not in_vocab.all()
 
     @jax.jit
-    def run(head, embed, tokens, mask, taps, Z):
-        return ttt_loss(head, embed, tokens, mask, taps, Z, K, decay, attention=attention)
+    def run(head, embed, rows, taps, Z):
+        return ttt_loss(head, embed, rows, taps, Z, K, decay, attention=attention)
 
-    total, aux = run(head, embed, tokens, mask, taps, Z)
+    total, aux = run(head, embed, rows, taps, Z)
     np.testing.assert_array_equal(np.asarray(aux["rows_k"]), ref_rows)
     np.testing.assert_allclose(np.asarray(aux["loss_k"]), ref_loss, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(aux["acc_k"]), ref_acc, rtol=1e-5, atol=1e-7)
@@ -136,13 +147,16 @@ def test_lean_attention_equals_dense(n_steps):
     q = jax.random.normal(kq, (B, T, Kh, G, Hd))
     keys = list(jax.random.normal(kk, (n_steps, B, T, Kh, Hd)) * 2)
     values = list(jax.random.normal(kv, (n_steps, B, T, Kh, Hd)))
-    lean, dense = jax.jit(ttt_attention)(q, keys, values), jax.jit(dense_ttt_attention)(q, keys, values)
+    segments = np.repeat([[1, 1, 1, 2, 2, 2, 2, 3, 3]], B, axis=0)
+    seen = jnp.asarray((segments[:, :, None] == segments[:, None, :]) & np.tri(T, dtype=bool))
+    lean = jax.jit(ttt_attention)(q, keys, values, seen)
+    dense = jax.jit(dense_ttt_attention)(q, keys, values, seen)
     np.testing.assert_allclose(np.asarray(lean), np.asarray(dense), rtol=1e-5, atol=1e-6)
     # And their gradients with respect to every input.
     w = jax.random.normal(kw, lean.shape)
 
     def grads(attention):
-        grad = jax.grad(lambda q, ks, vs: jnp.sum(attention(q, ks, vs) * w), argnums=(0, 1, 2))
+        grad = jax.grad(lambda q, ks, vs: jnp.sum(attention(q, ks, vs, seen) * w), argnums=(0, 1, 2))
         return jax.jit(grad)(q, keys, values)
 
     for a, b in zip(jax.tree.leaves(grads(ttt_attention)), jax.tree.leaves(grads(dense_ttt_attention))):
@@ -153,16 +167,17 @@ def _temp_bytes(attention, K: int, T: int = 256) -> int:
     """Temporary memory of the compiled loss+grad, from XLA's memory analysis (not timed)."""
     head = make_head(draft_vocab=32)
     graphdef, params, rest = nnx.split(head, nnx.Param, ...)
-    embed, _, _, _, _ = make_inputs(2, 8)
-    tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    embed = make_inputs(2, 8)[0]
+    row = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    rows = {"tokens": row, "loss_mask": row, "positions": row, "segments": row}
     taps = jax.ShapeDtypeStruct((1, T, 3 * D), jnp.float32)
-    logits = jax.ShapeDtypeStruct((1, T, V), jnp.float32)
+    logits = jax.ShapeDtypeStruct((1, T, 32), jnp.float32)
 
-    def loss(params, tokens, mask, taps, logits):
+    def loss(params, rows, taps, logits):
         h = nnx.merge(graphdef, params, rest)
-        return ttt_loss(h, jnp.asarray(embed), tokens, mask, taps, logits, K, 0.8, attention=attention)[0]
+        return ttt_loss(h, jnp.asarray(embed), rows, taps, logits, K, 0.8, attention=attention)[0]
 
-    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, tokens, tokens, taps, logits).compile()
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, rows, taps, logits).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -1,7 +1,8 @@
 """A tiny, fully in-memory EAGLE-3 training setup shared by the trainer tests and their subprocess scripts.
 
 Target: a 4-layer llama, vocab 96, hidden 32, 4 heads / 2 KV heads, MLP 64 (every sharded dimension divides by 2).
-Samples: 24 random token sequences with a "prompt" (loss mask 0) and a "response" (loss mask 1).
+Samples: 24 random token sequences with a "prompt" (loss mask 0) and a "response" (loss mask 1), packed into rows;
+the target runs inside the step (training.features=online).
 Run as a script (`python tests/train_tiny.py RUN_DIR STEPS [--hang-after=N] [k=v ...]`), it trains with `train()` and
 prints one "step N" line per finished step (flushed); with --hang-after it stops moving after step N, waiting to be
 killed (the kill/resume test).
@@ -22,6 +23,7 @@ BASE_OVERRIDES = (
     f"model.draft_vocab_size={DRAFT_VOCAB}",
     "training.batch_size=8",
     "training.seq_len=24",
+    "training.features=online",
     "training.ttt_length=3",
     "training.steps=8",
     "training.warmup_steps=2",
@@ -70,7 +72,7 @@ def build(overrides: Sequence[str] = (), mesh_axes: dict | None = None, devices=
 
     from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
     from specjax.sharding import make_mesh
-    from train.batches import BatchSource
+    from train.batches import BatchSource, pack
     from train.trainer import Trainer
     from train.vocab import draft_vocab
 
@@ -92,7 +94,7 @@ def build(overrides: Sequence[str] = (), mesh_axes: dict | None = None, devices=
     axes = mesh_axes or {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
     mesh = make_mesh(axes, devices)
     trainer = Trainer(cfg, target_cfg, weights, head, mesh)
-    source = BatchSource(data, cfg.training.batch_size, cfg.training.seq_len, cfg.training.seed)
+    source = BatchSource(pack(data, cfg.training.seq_len), cfg.training.batch_size, cfg.training.seed)
     return cfg, trainer, source
 
 

@@ -1,4 +1,5 @@
-"""Fixed-shape training batches, a pure function of the step: resuming at step s yields exactly the same data."""
+"""Packed, fixed-shape training rows, and batches that are a pure function of the step: resuming at step s yields
+exactly the same data."""
 
 from __future__ import annotations
 
@@ -6,30 +7,61 @@ import numpy as np
 
 from specjax.errors import InputError
 
+ROW_KEYS = ("tokens", "loss_mask", "positions", "segments")
+
+
+def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
+    """Packs samples whole into rows of `seq_len` tokens (first fit, longest first; longer samples are truncated).
+
+    Args:
+      samples: (tokens, loss_mask) pairs.
+      seq_len: T, the row length.
+    Returns:
+      int32 arrays [R, T]: "tokens", "loss_mask", "positions" (restarting at 0 in every sample) and "segments"
+      (1, 2, ... for the samples of a row, 0 for padding). Samples with no loss token within `seq_len` are dropped.
+    """
+    usable = [(t[:seq_len], m[:seq_len]) for t, m in samples if m[:seq_len].any()]
+    order = sorted(range(len(usable)), key=lambda i: (-len(usable[i][0]), i))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        n = len(usable[i][0])
+        r = next((r for r, f in enumerate(free) if f >= n), len(rows))
+        if r == len(rows):
+            rows.append([])
+            free.append(seq_len)
+        rows[r].append(i)
+        free[r] -= n
+    out = {key: np.zeros((len(rows), seq_len), np.int32) for key in ROW_KEYS}
+    for r, members in enumerate(rows):
+        start = 0
+        for segment, i in enumerate(members, 1):
+            tokens, mask = usable[i]
+            span = slice(start, start + len(tokens))
+            out["tokens"][r, span], out["loss_mask"][r, span] = tokens, mask
+            out["positions"][r, span], out["segments"][r, span] = np.arange(len(tokens)), segment
+            start += len(tokens)
+    return out
+
 
 class BatchSource:
-    """Samples truncated/padded to `seq_len`, served in a per-epoch shuffled order derived from (seed, epoch)."""
+    """Packed rows (plus any per-row arrays, e.g. stored target features) served in a per-epoch shuffled order
+    derived from (seed, epoch)."""
 
-    def __init__(self, samples: list[tuple[np.ndarray, np.ndarray]], batch_size: int, seq_len: int, seed: int):
-        usable = [(t, m) for t, m in samples if m[:seq_len].any()]
-        if len(usable) < batch_size:
-            raise InputError(
-                f"the dataset has {len(usable)} usable samples, fewer than training.batch_size={batch_size}"
-            )
-        self.tokens = np.zeros((len(usable), seq_len), np.int32)
-        self.loss_mask = np.zeros((len(usable), seq_len), np.int32)
-        for i, (t, m) in enumerate(usable):
-            n = min(len(t), seq_len)
-            self.tokens[i, :n], self.loss_mask[i, :n] = t[:n], m[:n]
+    def __init__(self, rows: dict[str, np.ndarray], batch_size: int, seed: int):
+        self.rows = rows
+        count = len(rows["tokens"])
+        if count < batch_size:
+            raise InputError(f"the dataset packs into {count} rows, fewer than training.batch_size={batch_size}")
         self.batch_size, self.seed = batch_size, seed
-        self.batches_per_epoch = len(usable) // batch_size
+        self.batches_per_epoch = count // batch_size
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.rows["tokens"])
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        """The global batch of `step`: {"tokens", "loss_mask"} int32 [batch_size, seq_len]."""
+        """The global batch of `step`: every row array, [batch_size, ...]."""
         epoch, index = divmod(step, self.batches_per_epoch)
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.tokens))
-        rows = order[index * self.batch_size : (index + 1) * self.batch_size]
-        return {"tokens": self.tokens[rows], "loss_mask": self.loss_mask[rows]}
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self))
+        picked = np.sort(order[index * self.batch_size : (index + 1) * self.batch_size])
+        return {key: value[picked] for key, value in self.rows.items()}

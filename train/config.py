@@ -43,7 +43,8 @@ class DataSection:
 class TrainingSection:
     steps: int = 1000
     batch_size: int = 8  # sequences per step (global, over all devices)
-    seq_len: int = 512  # sequences are packed/truncated to this many tokens
+    seq_len: int = 512  # samples are packed into rows of this many tokens (longer ones truncated)
+    features: str = "stored"  # target features: "stored" (computed once by the features stage) or "online" (per step)
     learning_rate: float = 1e-3
     warmup_steps: int = 50
     final_lr_ratio: float = 0.05  # cosine decay to learning_rate * this
@@ -111,6 +112,8 @@ class TrainConfig:
         bad = [f"{k}={v}" for k, v in positive.items() if v < 1]
         if bad:
             raise InputError(f"these values must be >= 1: {', '.join(bad)}")
+        if self.training.features not in ("stored", "online"):
+            raise InputError(f"training.features must be 'stored' or 'online', got {self.training.features!r}")
         if self.training.learning_rate <= 0 or not 0 <= self.training.final_lr_ratio <= 1:
             raise InputError("training.learning_rate must be > 0 and training.final_lr_ratio in [0, 1]")
 

@@ -2,6 +2,7 @@
 
 regenerate -> data/      the target's own responses to the prompts (token arrays + assistant-only loss masks)
 vocab      -> vocab.npz  the draft vocabulary (d2t / t2d) from assistant-token frequencies
+features   -> features/  the packed training rows with the target's features (skipped when training.features=online)
 train      -> train/     orbax checkpoints + metrics.jsonl
 evaluate   -> eval.json  mean accepted length on held-out prompts, by real speculative decoding
 export     -> export/    a LlamaForCausalLMEagle3 folder (config.json + model.safetensors + README.md)
@@ -29,14 +30,15 @@ from specjax.io.models import LoadedModel, load_model
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.sharding import make_mesh
 from specjax.tree import TreeSpec
-from train.batches import BatchSource
+from train.batches import BatchSource, pack
 from train.config import TrainConfig, config_to_dict
 from train.data import load_prompts, load_samples, regenerate
+from train.features import compute_features, feature_layers, load_features
 from train.model_card import model_card
 from train.trainer import Trainer, checkpoint_manager, restore_latest, train
 from train.vocab import draft_vocab, load_vocab, save_vocab
 
-STAGES = ("regenerate", "vocab", "train", "evaluate", "export")
+STAGES = ("regenerate", "vocab", "features", "train", "evaluate", "export")
 # Sections that define what a run has already produced: a resumed run must agree on them (training.steps may grow).
 # The training sections bind only once the train stage has started.
 _DATA_SECTIONS = ("model", "data")
@@ -117,22 +119,33 @@ def stage_vocab(cfg: TrainConfig, model: LoadedModel) -> None:
     print(f"draft vocabulary: {len(d2t)} tokens cover {coverage:.2%} of assistant tokens", file=sys.stderr)
 
 
-def build_trainer(cfg: TrainConfig, model: LoadedModel) -> tuple[Trainer, BatchSource]:
+def stage_features(cfg: TrainConfig, model: LoadedModel) -> None:
+    if cfg.training.features == "online":
+        print("skipped: training.features=online computes them in every step", file=sys.stderr)
+        return
+    rows = pack(load_samples(cfg.output_path / "data"), cfg.training.seq_len)
+    layers = feature_layers(head_config(cfg, model).tap_layers, model.cfg)
+    compute_features(model.weights, model.cfg, layers, rows, cfg.output_path / "features")
+
+
+def build_trainer(cfg: TrainConfig, model: LoadedModel) -> Trainer:
     d2t, t2d = load_vocab(cfg.output_path / "vocab.npz")
     head_cfg = head_config(cfg, model)
     head = Eagle3Head(head_cfg, rngs=nnx.Rngs(cfg.training.seed))
     head.d2t[...] = jnp.asarray(d2t, jnp.int32)
     head.t2d[...] = jnp.asarray(t2d)
     mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
-    source = BatchSource(
-        load_samples(cfg.output_path / "data"), cfg.training.batch_size, cfg.training.seq_len, cfg.training.seed
-    )
-    return Trainer(cfg, model.cfg, model.weights, head, mesh), source
+    return Trainer(cfg, model.cfg, model.weights, head, mesh)
 
 
 def stage_train(cfg: TrainConfig, model: LoadedModel) -> None:
-    trainer, source = build_trainer(cfg, model)
-    train(trainer, source, cfg.output_path / "train", stop_after=cfg.training.stop_after)
+    trainer = build_trainer(cfg, model)
+    t = cfg.training
+    if t.features == "stored":
+        rows = load_features(cfg.output_path / "features", trainer.feature_layers, t.seq_len)
+    else:
+        rows = pack(load_samples(cfg.output_path / "data"), t.seq_len)
+    train(trainer, BatchSource(rows, t.batch_size, t.seed), cfg.output_path / "train", stop_after=t.stop_after)
 
 
 EVAL_DRAFT_TOKENS = 5
@@ -142,7 +155,7 @@ EVAL_TREE = "5,4,24"  # depth, top-k, budget
 def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
     """Mean accepted length (tokens per target forward, bonus included) of the latest checkpoint on the held-out
     prompts, by greedy speculative decoding with chain (K = 5) and tree drafting; written to eval.json."""
-    trainer, _ = build_trainer(cfg, model)
+    trainer = build_trainer(cfg, model)
     manager = checkpoint_manager(trainer, cfg.output_path / "train")
     state = restore_latest(trainer, manager)
     manager.close()
@@ -177,7 +190,7 @@ def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
 
 
 def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
-    trainer, _ = build_trainer(cfg, model)
+    trainer = build_trainer(cfg, model)
     manager = checkpoint_manager(trainer, cfg.output_path / "train")
     try:
         state = restore_latest(trainer, manager)
@@ -218,6 +231,7 @@ def run(cfg: TrainConfig, stages: list[str]) -> None:
 STAGE_FUNCTIONS = {
     "regenerate": stage_regenerate,
     "vocab": stage_vocab,
+    "features": stage_features,
     "train": stage_train,
     "evaluate": stage_evaluate,
     "export": stage_export,

@@ -1,9 +1,9 @@
-"""Stage 3 (train): the sharded, jitted TTT step, orbax checkpoints, exact resume, metrics.
+"""Stage 4 (train): the sharded, jitted TTT step, orbax checkpoints, exact resume, metrics.
 
-The frozen target runs inside the step (online features: nothing per token is stored on disk). Target weights, head
-weights, optimizer state and batches all carry NamedShardings on one mesh (axes data / fsdp / tensor); the step is
-`jax.jit` with in/out shardings. Everything a run depends on is a function of (config, step), so resuming from a
-checkpoint continues bit for bit.
+The step reads the target's features from the batch (stored by the features stage), or with `training.features:
+online` runs the frozen target itself. Target weights, head weights, optimizer state and batches all carry
+NamedShardings on one mesh (axes data / fsdp / tensor); the step is `jax.jit` with in/out shardings. Everything a
+run depends on is a function of (config, step), so resuming from a checkpoint continues bit for bit.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from specjax.errors import SpecjaxError
-from specjax.kv_cache import KVCache
 from specjax.models.eagle3 import Eagle3Head, param_specs
-from specjax.models.llama import ArraySpec, Weights, forward, weight_specs
+from specjax.models.llama import ArraySpec, Weights, lm_logits, weight_specs
 from specjax.sharding import DEFAULT_RULES, partition_spec
-from train.batches import BatchSource
+from train.batches import ROW_KEYS, BatchSource
 from train.config import TrainConfig
+from train.features import feature_layers, target_features
 from train.ttt import ttt_loss
 
 # Training adds FSDP: weights' model dimension over "fsdp", batches over data x fsdp.
@@ -75,6 +75,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, target_cfg, target_weights: Weights, head: Eagle3Head, mesh: Mesh):
         self.cfg, self.target_cfg, self.mesh = cfg, target_cfg, mesh
+        self.feature_layers = feature_layers(head.cfg.tap_layers, target_cfg)
+        self.batch_keys = (*ROW_KEYS, "features") if cfg.training.features == "stored" else ROW_KEYS
         self.optimizer = make_optimizer(cfg)
         self.graphdef, params, self.buffers = nnx.split(head, nnx.Param, ...)
 
@@ -108,29 +110,29 @@ class Trainer:
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.initial_state)
         self._step = jax.jit(
             self._train_step,
-            in_shardings=(self.state_shardings, target_shardings, {"tokens": self.batch_sharding,
-                                                                   "loss_mask": self.batch_sharding}),
+            in_shardings=(self.state_shardings, target_shardings, dict.fromkeys(self.batch_keys, self.batch_sharding)),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
-        )  # fmt: skip
+        )
 
     def head(self, params: nnx.State) -> Eagle3Head:
         """The head with the given trainable weights."""
         return nnx.merge(self.graphdef, params, self.buffers)
 
     def loss(self, params: nnx.State, target_weights: Weights, batch: dict, attention=None):
-        """TTT loss and metrics of one batch (the frozen target runs here)."""
-        tokens, mask = batch["tokens"], batch["loss_mask"]
-        B, T = tokens.shape
+        """TTT loss and metrics of one batch (stored features, or the frozen target run here)."""
         head = self.head(params)
-        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        cache = KVCache.empty(self.target_cfg, B, 1, target_weights.embed.dtype)  # no prefix: lengths 0
-        logits, taps, _ = forward(target_weights, self.target_cfg, tokens, positions, cache,
-                                  tap_layers=head.cfg.tap_layers)  # fmt: skip
-        logits, taps = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(taps)
+        rows = {k: batch[k] for k in ROW_KEYS}
+        if "features" in batch:
+            features = batch["features"].astype(target_weights.embed.dtype)
+        else:
+            features = target_features(target_weights, self.target_cfg, self.feature_layers, rows)
+        D = self.target_cfg.hidden_size
+        logits = lm_logits(target_weights, self.target_cfg, features[..., -D:], head.target_ids_of_draft_vocab())
         t = self.cfg.training
         kwargs = {} if attention is None else {"attention": attention}
-        return ttt_loss(head, target_weights.embed, tokens, mask, taps, logits, t.ttt_length, t.step_decay, **kwargs)
+        return ttt_loss(head, target_weights.embed, rows, features[..., :-D], logits, t.ttt_length, t.step_decay,
+                        **kwargs)  # fmt: skip
 
     def _train_step(self, state: dict, target_weights: Weights, batch: dict):
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)

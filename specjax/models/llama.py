@@ -353,7 +353,8 @@ def forward(
       positions_bt: int32 rotary positions [B, T].
       cache: the KV cache; its first `lengths[b]` slots of row b are attended to.
       new_mask_btt: bool [B, T, T], which new tokens each new token attends to; causal when None.
-      tap_layers: ids of layers whose *input* residual stream is returned (EAGLE-3 taps).
+      tap_layers: ids of layers whose *input* residual stream is returned (EAGLE-3 taps); id `num_layers` is the
+        final residual stream (before the final norm).
       logits_at: optional int32 [B, R] indices into T; logits are computed only there (e.g. the last prompt token).
     Returns:
       (logits [B, T or R, V] float32, taps [B, T, len(tap_layers) * D] or None, cache with the new KV written).
@@ -393,6 +394,8 @@ def forward(
     (x_btd, taps, _), (k_new, v_new) = jax.lax.scan(
         layer, (x_btd, taps0, jnp.int32(0)), (weights.layers, cache.k, cache.v)
     )
+    if cfg.num_layers in tap_layers:
+        taps = jnp.stack([x_btd if t == cfg.num_layers else taps[j] for j, t in enumerate(tap_layers)])
     cache = cache.write(k_new, v_new)
     if logits_at is not None:
         x_btd = jnp.take_along_axis(x_btd, logits_at[:, :, None], axis=1)
@@ -401,9 +404,11 @@ def forward(
     return logits, taps_out, cache
 
 
-def lm_logits(weights: Weights, cfg: ModelConfig, x_btd: jax.Array) -> jax.Array:
-    """Final norm and LM head (tied or untied), float32 logits [B, T, V]."""
+def lm_logits(weights: Weights, cfg: ModelConfig, x_btd: jax.Array, vocab_ids: jax.Array | None = None) -> jax.Array:
+    """Final norm and LM head (tied or untied), float32 logits [B, T, V], or [B, T, len(vocab_ids)] over only the
+    given token ids (a draft vocabulary)."""
     h = rms_norm(x_btd, weights.final_norm, cfg.rms_norm_eps)
-    if weights.lm_head is None:
-        return jnp.einsum("btd,vd->btv", h, weights.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", h, weights.lm_head, preferred_element_type=jnp.float32)
+    head_vd = weights.embed if weights.lm_head is None else weights.lm_head.T
+    if vocab_ids is not None:
+        head_vd = head_vd[vocab_ids]
+    return jnp.einsum("btd,vd->btv", h, head_vd, preferred_element_type=jnp.float32)
