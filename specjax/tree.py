@@ -95,7 +95,8 @@ class DraftTree:
     ancestors: jax.Array  # [B, M, M] bool: ancestors[t, s] = s is t or an ancestor of t
     children: jax.Array  # [B, M, k] int32 children in draw order, -1 where none
     expanded: jax.Array  # [B, M] bool
-    draft_probs: jax.Array  # [B, M, V] the processed draft distribution each node's children were drawn from
+    draft_probs: jax.Array  # [B, M, Vd] the processed draft distribution each node's children were drawn from
+    vocab_ids: jax.Array  # [Vd] int32 the target id of each column of draft_probs (a draft vocabulary)
 
 
 def draw_children(
@@ -105,12 +106,12 @@ def draw_children(
 
     Args:
       key: PRNG key.
-      logits_nv: float32 [..., V] draft logits in the target vocabulary (-inf outside the draft vocabulary).
+      logits_nv: float32 [..., Vd] draft logits over the draft's vocabulary.
       k: static number of children.
       sampling: the same processing as the target.
     Returns:
-      (tokens int32 [..., k], log-probability float32 [..., k] (greedy: of the raw softmax), valid bool [..., k]
-      (probability > 0), draft_probs float32 [..., V] (greedy: one-hot argmax)).
+      (draft-vocabulary ids int32 [..., k], log-probability float32 [..., k] (greedy: of the raw softmax), valid
+      bool [..., k] (probability > 0), draft_probs float32 [..., Vd] (greedy: one-hot argmax)).
     """
     if sampling.greedy:
         logp = jax.nn.log_softmax(logits_nv.astype(jnp.float32), axis=-1)
@@ -134,22 +135,27 @@ def grow_tree(
     aux: Any,
     spec: TreeSpec,
     sampling: SamplingConfig,
+    vocab_ids: jax.Array | None = None,
 ) -> tuple[DraftTree, Any]:
     """Grows a draft tree per row (see the module docstring).
 
     Args:
       key: PRNG key for the draws.
       root_token_b: int32 [B] the pending token.
-      root_logits_bv: float32 [B, V] draft logits after the root (target vocabulary, -inf outside the draft's).
-      expand: `expand(tree, nodes_bf, ok_bf, aux) -> (logits [B, f, V], aux)` runs the drafter on nodes (the node's
+      root_logits_bv: float32 [B, Vd] draft logits after the root, over the draft vocabulary `vocab_ids`.
+      expand: `expand(tree, nodes_bf, ok_bf, aux) -> (logits [B, f, Vd], aux)` runs the drafter on nodes (the node's
         token, its parent's hidden state, its ancestors' KV) and returns the logits of their children.
       aux: the drafter's carry for `expand`.
       spec: static tree shape.
       sampling: static sampling config.
+      vocab_ids: int32 [Vd], the target id of each logit column; None when the drafter's vocabulary is the
+        target's. Drawing in the draft vocabulary keeps top-k and softmax at Vd columns instead of V.
     Returns:
       (tree, aux).
     """
     B, V = root_logits_bv.shape
+    if vocab_ids is None:
+        vocab_ids = jnp.arange(V, dtype=jnp.int32)
     M, k = spec.budget, spec.topk
     keys = jax.random.split(key, spec.depth)
     rows = jnp.arange(B)[:, None]
@@ -163,12 +169,14 @@ def grow_tree(
         children=jnp.full((B, M, k), -1, jnp.int32),
         expanded=jnp.zeros((B, M), bool),
         draft_probs=jnp.zeros((B, M, V), jnp.float32),
+        vocab_ids=vocab_ids,
     )
     count_b = jnp.ones((B,), jnp.int32)
 
     def attach(tree, count_b, key, nodes_bf, ok_bf, logits_bfv):
         f = nodes_bf.shape[1]
-        tok, lp, ok_child, probs = draw_children(key, logits_bfv, k, sampling)  # [B, f, k]
+        column, lp, ok_child, probs = draw_children(key, logits_bfv, k, sampling)  # [B, f, k]
+        tok = vocab_ids[column]
         n_valid = jnp.sum(ok_child, axis=-1) * ok_bf  # [B, f]: the support, not the draws, sets the group size
         before = jnp.cumsum(n_valid, axis=1) - n_valid
         room = jnp.maximum(M - count_b[:, None] - before, 0)
@@ -195,6 +203,7 @@ def grow_tree(
             children=tree.children.at[rows, nodes_drop].set(jnp.where(keep, new, -1), mode="drop"),
             expanded=tree.expanded.at[rows, nodes_drop].set(True, mode="drop"),
             draft_probs=tree.draft_probs.at[rows, nodes_drop].set(probs, mode="drop"),
+            vocab_ids=vocab_ids,
         )
         return tree, count_b + jnp.sum(take, axis=1)
 
@@ -261,7 +270,7 @@ def _recursive_rejection(key, tree: DraftTree, target_probs_bmv, depth: int, *, 
     def level(d, carry):
         u, n, alive, nxt, p_final = carry
         p = target_probs_bmv[rows, u]
-        q = tree.draft_probs[rows, u]
+        q = jnp.zeros((B, V), jnp.float32).at[:, tree.vocab_ids].set(tree.draft_probs[rows, u])
         chosen = jnp.full((B,), -1, jnp.int32)
         for i in range(k):
             c = tree.children[rows, u, i]

@@ -231,6 +231,7 @@ def test_recursive_rejection_is_exact_for_one_node():
         children=jnp.full((B, M, k), -1, jnp.int32).at[:, 0].set(jnp.arange(1, M)),
         expanded=jnp.zeros((B, M), bool).at[:, 0].set(True),
         draft_probs=jnp.zeros((B, M, V)).at[:, 0].set(probs),
+        vocab_ids=jnp.arange(V, dtype=jnp.int32),
     )
     p_all = jnp.broadcast_to(target, (B, M, V))
     for fn, exact in (

@@ -203,8 +203,8 @@ def test_smoke_pipeline_exports_a_loadable_head(smoke_run):
     from specjax.models.llama import forward
 
     out = smoke_run
-    for name in ("data/manifest.json", "vocab.npz", "features/manifest.json", "train/metrics.jsonl", "export/config.json",
-                 "export/model.safetensors", "config.json"):  # fmt: skip
+    for name in ("data/manifest.json", "vocab.npz", "features/manifest.json", "train/metrics.jsonl",
+                 "export/config.json", "export/model.safetensors", "config.json"):  # fmt: skip
         assert (out / name).is_file(), name
     steps = [m["step"] for m in _metrics(out / "train")]
     assert steps == sorted(set(steps)) and steps[-1] == 24

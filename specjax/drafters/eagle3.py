@@ -129,7 +129,7 @@ class Eagle3Drafter:
         B = tokens_bs.shape[0]
         keys = jax.random.split(key, num_draft_tokens)
         c = state.cache.lengths
-        token, probs = draw(keys[0], head.logits_to_target(state.logits_bv), sampling)
+        token, probs = _draw(head, keys[0], state.logits_bv, sampling)
         if num_draft_tokens == 1:
             return token[:, None], probs[:, None], state
 
@@ -139,7 +139,7 @@ class Eagle3Drafter:
             embed = head.embed_tokens(token[:, None], self.target_embed)
             cache = dataclasses.replace(cache, lengths=c + i)
             logits, out, cache = head.step(embed, g[:, None], (c + i)[:, None], cache)
-            nxt, probs = draw(k, head.logits_to_target(logits[:, 0]), sampling)
+            nxt, probs = _draw(head, k, logits[:, 0], sampling)
             return (nxt, out[:, 0], cache), (nxt, probs)
 
         xs = (jnp.arange(num_draft_tokens - 1, dtype=jnp.int32), keys[1:])
@@ -184,7 +184,7 @@ class Eagle3Drafter:
                 jnp.broadcast_to(jnp.eye(f, dtype=bool), (B, f, f)),
             )  # fmt: skip
             out = head.finish(g, attn.reshape(B, f, cfg.num_heads, cfg.head_dim))
-            logits = head.logits_to_target(head.logits(out))
+            logits = head.logits(out)
             dst = jnp.where(ok_bf, c[:, None] + nodes_bf - 1, S)
             cache = dataclasses.replace(
                 cache,
@@ -195,9 +195,19 @@ class Eagle3Drafter:
             return logits, (cache, node_out)
 
         tree, (cache, _) = grow_tree(
-            key, pending_b, head.logits_to_target(state.logits_bv), expand, (state.cache, node_out), spec, sampling
-        )
+            key, pending_b, state.logits_bv, expand, (state.cache, node_out), spec, sampling,
+            vocab_ids=head.target_ids_of_draft_vocab(),
+        )  # fmt: skip
         return tree, dataclasses.replace(state, cache=cache)
+
+
+def _draw(head: Eagle3Head, key: jax.Array, logits_bv: jax.Array, sampling: SamplingConfig):
+    """`draw` from draft-vocabulary logits [B, Vd]: (target id [B], draft_probs [B, V]). Greedy picks the argmax
+    among the Vd columns (the one-hot it returns is not read by greedy acceptance, so it is never computed)."""
+    if sampling.greedy:
+        token = head.draft_to_target(jnp.argmax(logits_bv, axis=-1).astype(jnp.int32))
+        return token, jax.nn.one_hot(token, head.cfg.vocab_size, dtype=jnp.float32)
+    return draw(key, head.logits_to_target(logits_bv), sampling)
 
 
 # Heads shipped inside the package, by name: the EAGLE-3 head trained by specjax for the embedded SmolLM2.
