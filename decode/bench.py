@@ -45,7 +45,7 @@ class ModeRun:
         rates = [n / s for n, s in zip(self.batch_tokens, self.batch_seconds)]
         total_tokens, total_seconds = sum(self.batch_tokens), sum(self.batch_seconds)
         tokens_per_s = statistics.median(rates)
-        ar_rate = statistics.median(n / s for n, s in zip(ar.batch_tokens, ar.batch_seconds)) if ar else None
+        ar_rates = [n / s for n, s in zip(ar.batch_tokens, ar.batch_seconds)] if ar else None
         stats = (
             speculative.SpecStats.from_histogram(self.rounds, self.histogram, total_tokens, total_seconds)
             if self.histogram
@@ -58,7 +58,8 @@ class ModeRun:
             "total_seconds": total_seconds,
             "mean_accepted": stats.mean_accepted if stats else None,
             "acceptance_by_position": stats.acceptance_by_position if stats else None,
-            "speedup_vs_ar": tokens_per_s / ar_rate if ar_rate else None,
+            # Per batch against ar on the same batch (measured next to it), then the median: robust to drift.
+            "speedup_vs_ar": statistics.median(r / a for r, a in zip(rates, ar_rates)) if ar else None,
             "identical_to_ar": (self.outputs == ar.outputs) if (ar and greedy) else None,
             **({"breakdown": self.breakdown} if self.breakdown else {}),
         }
@@ -176,19 +177,24 @@ SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree")
 DEFAULT_TREE = "5,4,24"  # depth, top-k, budget (nodes including the root)
 
 
-def measure(mode: str, runner: Runner, groups, max_new_tokens: int, seed: int) -> ModeRun:
-    runner(groups[0], 4, seed)  # warm-up: compilation, allocator, thread pools
-    run = ModeRun(mode, [], [], [])
-    for i, group in enumerate(tqdm(groups, desc=mode, file=sys.stderr, leave=False)):
-        outputs, seconds, *stats = runner(group, max_new_tokens, seed + i)
-        run.outputs += outputs
-        run.batch_seconds.append(seconds)
-        run.batch_tokens.append(sum(map(len, outputs)))
-        if stats:
-            hist = stats[0].accepted_histogram
-            run.histogram = [a + b for a, b in zip(run.histogram, hist)] if run.histogram else list(hist)
-            run.rounds += stats[0].rounds
-    return run
+def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int) -> dict[str, ModeRun]:
+    """Runs every mode on every batch, interleaved (batch 1 in all modes, then batch 2, ...), so that the machine's
+    drift over the run affects all modes alike."""
+    for runner in runners.values():
+        runner(groups[0], 4, seed)  # warm-up: compilation, allocator, thread pools
+    runs = {mode: ModeRun(mode, [], [], []) for mode in runners}
+    for i, group in enumerate(tqdm(groups, desc="bench", unit="batch", file=sys.stderr)):
+        for mode, runner in runners.items():
+            outputs, seconds, *stats = runner(group, max_new_tokens, seed + i)
+            run = runs[mode]
+            run.outputs += outputs
+            run.batch_seconds.append(seconds)
+            run.batch_tokens.append(sum(map(len, outputs)))
+            if stats:
+                hist = stats[0].accepted_histogram
+                run.histogram = [a + b for a, b in zip(run.histogram, hist)] if run.histogram else list(hist)
+                run.rounds += stats[0].rounds
+    return runs
 
 
 def add_breakdown(run: ModeRun, runner: Runner, model: LoadedModel, groups, max_new_tokens: int) -> None:
@@ -282,16 +288,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         groups = groups[:-1]  # a ragged last batch would time a different shape; drop it
     used = sum(len(g) for g in groups)
 
-    runs = {}
-    for mode in modes:
-        options = dict(
-            num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, draft_layers=args.draft_layers,
-            eagle3=args.eagle3, tree=args.tree, calibration_prompt=groups[0][0],
-        )  # fmt: skip
-        runner = MODES[mode](model, sampling, eos, batch_size, **(options if mode in SPECULATIVE_MODES else {}))
-        runs[mode] = measure(mode, runner, groups, args.max_new_tokens, args.seed)
-        if mode in SPECULATIVE_MODES:
-            add_breakdown(runs[mode], runner, model, groups, args.max_new_tokens)
+    options = dict(
+        num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, draft_layers=args.draft_layers,
+        eagle3=args.eagle3, tree=args.tree, calibration_prompt=groups[0][0],
+    )  # fmt: skip
+    runners = {
+        mode: MODES[mode](model, sampling, eos, batch_size, **(options if mode in SPECULATIVE_MODES else {}))
+        for mode in modes
+    }
+    runs = measure(runners, groups, args.max_new_tokens, args.seed)
+    for mode in SPECULATIVE_MODES:
+        if mode in runs:
+            add_breakdown(runs[mode], runners[mode], model, groups, args.max_new_tokens)
     ar = runs.get("ar")
     rows = [runs[m].summary(ar, sampling.greedy) for m in modes]
     config = {

@@ -10,17 +10,16 @@ import yaml
 from train.config import TrainConfig, config_to_dict
 
 
-def _last_metrics(path: Path) -> dict | None:
-    if not path.exists():
-        return None
-    lines = path.read_text().splitlines()
-    return json.loads(lines[-1]) if lines else None
+def _last_metrics(path: Path, lines: int = 5) -> list[dict]:
+    """The last metric records (one batch each is noisy: the card averages a few)."""
+    return [json.loads(line) for line in path.read_text().splitlines()[-lines:]] if path.exists() else []
 
 
 def model_card(cfg: TrainConfig, head_cfg, manifest: dict, coverage: float | None, evaluation: dict | None) -> str:
     """Markdown model card of an exported EAGLE-3 head."""
     last = _last_metrics(cfg.output_path / "train" / "metrics.jsonl")
-    acc = ", ".join(f"{a:.3f}" for a in last["acc_k"]) if last else "n/a"
+    acc = ", ".join(f"{sum(a) / len(a):.3f}" for a in zip(*(m["acc_k"] for m in last))) if last else "n/a"
+    steps = last[-1]["step"] if last else 0
     lines = [
         f"# EAGLE-3 draft head for `{cfg.model.target}`",
         "",
@@ -45,9 +44,11 @@ def model_card(cfg: TrainConfig, head_cfg, manifest: dict, coverage: float | Non
         "  content); the EAGLE and SpecForge trainers leave it unshifted",
         "",
         "## Training",
-        f"- {last['step'] if last else 0} steps of {cfg.training.batch_size} x {cfg.training.seq_len} tokens, "
-        f"training-time test over {cfg.training.ttt_length} steps (loss weights {cfg.training.step_decay}^k)",
-        f"- final per-step accuracy (target argmax, assistant rows): {acc}",
+        f"- {steps} steps of {cfg.training.batch_size} packed rows x {cfg.training.seq_len} tokens, training-time "
+        f"test over {cfg.training.ttt_length} steps (loss weights {cfg.training.step_decay}^k), target features "
+        f"{cfg.training.features}",
+        f"- final per-step accuracy (agreement with the target's argmax on assistant rows, mean of the last "
+        f"{len(last)} logged steps): {acc}",
         "",
         "## Evaluation",
     ]

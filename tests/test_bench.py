@@ -1,0 +1,53 @@
+"""specjax-bench end to end on the tiny random model: JSON, table and plot written, modes interleaved per batch,
+greedy speculative outputs identical to autoregressive ones, speedups paired per batch."""
+
+import json
+import statistics
+
+import pytest
+
+from decode import bench
+
+
+def test_bench_writes_json_table_and_plot(tmp_path, capsys):
+    prompts = ["Write a function.", "Name three rivers.", "Count to ten.", "Hello!"]
+    argv = ["--model", "tiny-random", "--modes", "ar,ngram,layerskip", "--max-new-tokens", "12",
+            "--num-draft-tokens", "3", "--draft-layers", "1", "--out-dir", str(tmp_path)]  # fmt: skip
+    for p in prompts:
+        argv += ["--prompt", p]
+    bench.main(argv)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["config"]["prompts"] == 4 and report["config"]["batch_size"] == 1
+    rows = {r["mode"]: r for r in report["modes"]}
+    assert list(rows) == ["ar", "ngram", "layerskip"]
+    for mode in ("ngram", "layerskip"):
+        r = rows[mode]
+        assert r["identical_to_ar"] is True
+        assert 1.0 <= r["mean_accepted"] <= 4.0
+        assert r["breakdown"]["verify_ratio"] > 0
+        assert r["total_tokens"] == rows["ar"]["total_tokens"]
+    assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    table = (tmp_path / "bench.md").read_text()
+    assert table.count("\n") == 2 + 3 and "| ngram |" in table
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| layerskip |" in capsys.readouterr().out
+
+
+def test_measure_interleaves_modes_and_pairs_speedups():
+    calls = []
+
+    def runner(name, seconds):
+        def run(group, max_new_tokens, seed):
+            calls.append((name, max_new_tokens))
+            return [[1] * max_new_tokens for _ in group], seconds[len([c for c in calls if c[0] == name]) - 1]
+
+        return run
+
+    # ar: 10 tokens in 1 s then 2 s (the machine slowed down); fast: twice ar's rate on each batch.
+    runs = bench.measure(
+        {"ar": runner("ar", [9, 1.0, 2.0]), "fast": runner("fast", [9, 0.5, 1.0])}, [[0], [1]], 10, seed=0
+    )
+    assert calls == [("ar", 4), ("fast", 4), ("ar", 10), ("fast", 10), ("ar", 10), ("fast", 10)]
+    summary = runs["fast"].summary(runs["ar"], greedy=True)
+    assert summary["speedup_vs_ar"] == pytest.approx(2.0)
+    assert summary["tokens_per_s"] == pytest.approx(statistics.median([20.0, 10.0]))
