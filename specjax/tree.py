@@ -5,7 +5,9 @@ creation order, so every parent precedes its children. Growth (EAGLE-2 style, `d
 the root): the root's children are its top-k (greedy) or k draws without replacement (Gumbel-top-k, temperature
 > 0) from the processed draft distribution; each round then expands the `topk` unexpanded nodes of highest
 cumulative draft log-probability (depth < `depth`) with one batched drafter step, and each of them gets a whole
-sibling group of up to `topk` children while the budget lasts (in score order).
+sibling group of up to `topk` children while the budget lasts (in score order). Greedy growth gives every expanded
+node its group (up to the tree's capacity) and then keeps the `budget` nodes of highest score, as EAGLE-2 reranks:
+the same drafter steps, a better tree.
 
 Why whole groups, decided when the parent is expanded (and not EAGLE-2's per-node rerank afterwards): recursive
 rejection over siblings is exact only if the number of children a node gets does not depend on those children's own
@@ -83,6 +85,10 @@ class TreeSpec:
         """The most nodes growth can create: root + k + (depth - 1) rounds of k groups of k."""
         return 1 + self.topk + (self.depth - 1) * self.topk * self.topk
 
+    def grown_nodes(self, sampling: SamplingConfig) -> int:
+        """Nodes growth creates before verification: greedy grows to capacity and keeps the best `budget`."""
+        return self.capacity if sampling.greedy else self.budget
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +162,7 @@ def grow_tree(
     B, V = root_logits_bv.shape
     if vocab_ids is None:
         vocab_ids = jnp.arange(V, dtype=jnp.int32)
-    M, k = spec.budget, spec.topk
+    M, k = spec.grown_nodes(sampling), spec.topk
     keys = jax.random.split(key, spec.depth)
     rows = jnp.arange(B)[:, None]
     tree = DraftTree(
@@ -217,7 +223,40 @@ def grow_tree(
         ok = (top > -jnp.inf) & (count_b[:, None] < M)
         logits, aux = expand(tree, nodes.astype(jnp.int32), ok, aux)
         tree, count_b = attach(tree, count_b, keys[r], nodes.astype(jnp.int32), ok, logits)
-    return tree, aux
+    return (best_nodes(tree, spec.budget) if M > spec.budget else tree), aux
+
+
+def best_nodes(tree: DraftTree, m: int) -> DraftTree:
+    """The `m` nodes of highest score, kept in creation order (EAGLE-2's rerank; greedy only).
+
+    Scores never grow along a path and `top_k` puts the lower (earlier) index first among equals, so every kept
+    node's ancestors are kept too.
+    """
+    B, C = tree.tokens.shape
+    rows = jnp.arange(B)[:, None]
+    _, kept = jax.lax.top_k(jnp.where(tree.valid, tree.scores, -jnp.inf), m)
+    kept = jnp.sort(kept, axis=1).astype(jnp.int32)  # [B, m], the root first
+    new_index = jnp.zeros((B, C), jnp.int32).at[rows, kept].set(jnp.arange(m, dtype=jnp.int32))
+    is_kept = jnp.zeros((B, C), bool).at[rows, kept].set(True)
+
+    def pick(x):
+        return x[rows, kept]
+
+    children = pick(tree.children)  # [B, m, k] old indices, -1 where none
+    c = jnp.maximum(children, 0)
+    children = jnp.where((children >= 0) & is_kept[rows[..., None], c], new_index[rows[..., None], c], -1)
+    return dataclasses.replace(
+        tree,
+        tokens=pick(tree.tokens),
+        parents=new_index[rows, pick(tree.parents)],
+        depths=pick(tree.depths),
+        valid=pick(tree.valid),
+        scores=pick(tree.scores),
+        ancestors=jnp.take_along_axis(pick(tree.ancestors), kept[:, None, :], axis=2),
+        children=children,
+        expanded=pick(tree.expanded),
+        draft_probs=pick(tree.draft_probs),
+    )
 
 
 def greedy_tree_accept(tree: DraftTree, target_logits_bmv: jax.Array, depth: int):

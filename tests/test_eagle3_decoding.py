@@ -332,3 +332,34 @@ def test_cli_bad_eagle3_input_is_one_line_and_exit_2(cli_target, capsys, args, m
     args = [a.format(**paths) for a in args]
     code, err = run_cli(capsys, "--model", str(cli_target / "target"), "--prompt", "Hi", *args)
     assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_greedy_rerank_keeps_the_best_nodes_with_their_ancestors():
+    """root -> a (-0.1), b (-1.0); a -> c (-0.1, a tie with its parent), d (-3.0); c -> e (-0.25): the best four are
+    root, a, c, e (b and d dropped), re-indexed in creation order with parents, ancestors and children remapped."""
+    parents = [0, 0, 0, 1, 1, 3]
+    scores = [0.0, -0.1, -1.0, -0.1, -3.0, -0.25]
+    M, k = 6, 2
+    ancestors = np.eye(M, dtype=bool)
+    for node in range(1, M):
+        ancestors[node] |= ancestors[parents[node]]
+    tree = tree_mod.DraftTree(
+        tokens=jnp.asarray([[10, 11, 12, 13, 14, 15]]),
+        parents=jnp.asarray([parents]),
+        depths=jnp.asarray([[0, 1, 1, 2, 2, 3]]),
+        valid=jnp.ones((1, M), bool),
+        scores=jnp.asarray([scores]),
+        ancestors=jnp.asarray(ancestors[None]),
+        children=jnp.asarray([[[1, 2], [3, 4], [-1, -1], [5, -1], [-1, -1], [-1, -1]]]),
+        expanded=jnp.asarray([[True, True, False, True, False, False]]),
+        draft_probs=jnp.zeros((1, M, 4)),
+        vocab_ids=jnp.arange(4, dtype=jnp.int32),
+    )
+    best = tree_mod.best_nodes(tree, 4)
+    np.testing.assert_array_equal(best.tokens[0], [10, 11, 13, 15])
+    np.testing.assert_array_equal(best.parents[0], [0, 0, 1, 2])
+    np.testing.assert_array_equal(best.depths[0], [0, 1, 2, 3])
+    np.testing.assert_array_equal(best.ancestors[0], np.tril(np.ones((4, 4), bool)))
+    np.testing.assert_array_equal(best.children[0], [[1, -1], [2, -1], [3, -1], [-1, -1]])
+    # With room for three, the tie (c scores as much as its parent a) still keeps the parent.
+    np.testing.assert_array_equal(tree_mod.best_nodes(tree, 3).tokens[0], [10, 11, 13])

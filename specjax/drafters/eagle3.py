@@ -75,7 +75,7 @@ class Eagle3Drafter:
 
     def extra_slots(self, num_draft_tokens: int) -> int:
         """Slots past the committed text that one round writes (verification and drafting)."""
-        return num_draft_tokens if self.tree is None else self.tree.budget
+        return num_draft_tokens if self.tree is None else self.tree.capacity  # drafting may grow past the budget
 
     # -- the protocol ---------------------------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ class Eagle3Drafter:
         head = self.head
         cfg = head.cfg
         spec = self.tree
-        M = spec.budget
+        M = spec.grown_nodes(sampling)
         B = pending_b.shape[0]
         c = state.cache.lengths
         S = state.cache.num_slots
