@@ -339,7 +339,7 @@ def test_greedy_rerank_keeps_the_best_nodes_with_their_ancestors():
     root, a, c, e (b and d dropped), re-indexed in creation order with parents, ancestors and children remapped."""
     parents = [0, 0, 0, 1, 1, 3]
     scores = [0.0, -0.1, -1.0, -0.1, -3.0, -0.25]
-    M, k = 6, 2
+    M = 6
     ancestors = np.eye(M, dtype=bool)
     for node in range(1, M):
         ancestors[node] |= ancestors[parents[node]]
