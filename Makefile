@@ -20,7 +20,7 @@ dev: venv
 
 # EAGLE-3 tree drafting with the shipped head, and plain decoding of the same prompt in the same run for the speedup.
 demo: venv
-	$(BIN)/specjax-generate --drafter eagle3:smollm2-135m --tree 3,2,6 --compare-ar --prompt "$(PROMPT)" \
+	$(BIN)/specjax-generate --drafter eagle3:smollm2-135m --tree 5,3,10 --compare-ar --prompt "$(PROMPT)" \
 		--max-new-tokens 128
 
 test: dev
