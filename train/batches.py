@@ -3,6 +3,8 @@ exactly the same data."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import InputError
@@ -42,6 +44,12 @@ def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int) -> dict[str
             out["positions"][r, span], out["segments"][r, span] = np.arange(len(tokens)), segment
             start += len(tokens)
     return out
+
+
+def sample_causal_mask(segments_bt: jax.Array) -> jax.Array:
+    """bool [B, T, T]: row t sees the rows s <= t of its own sample (causal attention within packed samples)."""
+    T = segments_bt.shape[1]
+    return (segments_bt[:, :, None] == segments_bt[:, None, :]) & jnp.tril(jnp.ones((T, T), bool))
 
 
 class BatchSource:

@@ -25,7 +25,7 @@ from specjax.config import ModelConfig
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
-from train.batches import ROW_KEYS
+from train.batches import ROW_KEYS, sample_causal_mask
 
 CHUNK_ROWS = 64
 FORWARD_ROWS = 8  # rows per target forward
@@ -48,9 +48,9 @@ def target_features(
     Returns:
       [B, T, len(layers) * D] in the target's dtype.
     """
-    tokens, segments = rows["tokens"], rows["segments"]
-    B, T = tokens.shape
-    mask = (segments[:, :, None] == segments[:, None, :]) & jnp.tril(jnp.ones((T, T), bool))
+    tokens = rows["tokens"]
+    B = tokens.shape[0]
+    mask = sample_causal_mask(rows["segments"])
     cache = KVCache.empty(cfg, B, 1, weights.embed.dtype)  # no prefix: lengths 0
     no_logits = jnp.zeros((B, 1), jnp.int32)  # the logits come later, over the draft vocabulary only
     _, features, _ = forward(weights, cfg, tokens, rows["positions"], cache, mask, layers, no_logits)

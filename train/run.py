@@ -119,11 +119,16 @@ def stage_vocab(cfg: TrainConfig, model: LoadedModel) -> None:
     print(f"draft vocabulary: {len(d2t)} tokens cover {coverage:.2%} of assistant tokens", file=sys.stderr)
 
 
+def packed_rows(cfg: TrainConfig) -> dict:
+    """The regenerated samples packed into training rows (train/batches.py)."""
+    return pack(load_samples(cfg.output_path / "data"), cfg.training.seq_len)
+
+
 def stage_features(cfg: TrainConfig, model: LoadedModel) -> None:
     if cfg.training.features == "online":
         print("skipped: training.features=online computes them in every step", file=sys.stderr)
         return
-    rows = pack(load_samples(cfg.output_path / "data"), cfg.training.seq_len)
+    rows = packed_rows(cfg)
     layers = feature_layers(head_config(cfg, model).tap_layers, model.cfg)
     compute_features(model.weights, model.cfg, layers, rows, cfg.output_path / "features")
 
@@ -144,7 +149,7 @@ def stage_train(cfg: TrainConfig, model: LoadedModel) -> None:
     if t.features == "stored":
         rows = load_features(cfg.output_path / "features", trainer.feature_layers, t.seq_len)
     else:
-        rows = pack(load_samples(cfg.output_path / "data"), t.seq_len)
+        rows = packed_rows(cfg)
     train(trainer, BatchSource(rows, t.batch_size, t.seed), cfg.output_path / "train", stop_after=t.stop_after)
 
 

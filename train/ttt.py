@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models.eagle3 import Eagle3Head
+from train.batches import sample_causal_mask
 
 
 def shift_left(x: jax.Array, n: int) -> jax.Array:
@@ -101,7 +102,7 @@ def ttt_loss(
     cfg = head.cfg
     tokens, segments = rows["tokens"], rows["segments"]
     B, T = tokens.shape
-    seen_btt = (segments[:, :, None] == segments[:, None, :]) & jnp.tril(jnp.ones((T, T), bool))
+    seen_btt = sample_causal_mask(segments)
     in_draft_vocab = head.t2d[...][tokens]
     g = head.fuse(taps_btf)
     keys, values, losses, accs, counted = [], [], [], [], []
