@@ -23,7 +23,9 @@ import train_tiny  # noqa: E402
 
 from specjax.errors import SpecjaxError  # noqa: E402
 from train.cli import entry  # noqa: E402
+from train.data import load_samples  # noqa: E402
 from train.trainer import TrainingDiverged, checkpoint_manager, restore_latest, train  # noqa: E402
+from train.vocab import draft_vocab  # noqa: E402
 
 SMOKE = ROOT / "configs" / "smoke.yaml"
 
@@ -209,12 +211,18 @@ def test_smoke_pipeline_exports_a_loadable_head(smoke_run):
     steps = [m["step"] for m in _metrics(out / "train")]
     assert steps == sorted(set(steps)) and steps[-1] == 24
 
+    # The standard-library answers follow the regenerated samples; the draft vocabulary counts only the latter.
+    manifest = json.loads((out / "data" / "manifest.json").read_text())
+    regenerated = load_samples(out / "data", regenerated_only=True)
+    assert len(regenerated) == manifest["samples"] and manifest["source_tokens"] >= 600
+    assert len(load_samples(out / "data")) == manifest["samples"] + manifest["source_samples"]
     with np.load(out / "vocab.npz") as z:
         d2t, t2d = z["d2t"], z["t2d"]
     assert d2t.shape == (512,) and t2d.sum() == 512
     np.testing.assert_array_equal(np.nonzero(t2d)[0], np.arange(len(d2t)) + d2t)
-
     target = load_model("tiny-random")
+    np.testing.assert_array_equal(draft_vocab(regenerated, target.cfg.vocab_size, 512)[0], d2t)
+
     head_cfg, head = load_eagle3(out / "export", target.cfg)
     np.testing.assert_array_equal(np.asarray(head.d2t[...]), d2t)
     tokens = jnp.asarray([[1, 5, 9, 13, 40, 77]], jnp.int32)

@@ -37,6 +37,7 @@ class DataSection:
     temperature: float = 0.0  # sampling temperature of the regeneration (0 = greedy)
     batch_size: int = 16  # regeneration batch
     seed: int = 0
+    source_tokens: int = 0  # answer tokens of standard-library source added as further samples (not regenerated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,8 @@ class TrainConfig:
         bad = [f"{k}={v}" for k, v in positive.items() if v < 1]
         if bad:
             raise InputError(f"these values must be >= 1: {', '.join(bad)}")
+        if self.data.source_tokens < 0:
+            raise InputError(f"data.source_tokens must be >= 0, got {self.data.source_tokens}")
         if self.training.features not in ("stored", "online"):
             raise InputError(f"training.features must be 'stored' or 'online', got {self.training.features!r}")
         if self.training.learning_rate <= 0 or not 0 <= self.training.final_lr_ratio <= 1:

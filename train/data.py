@@ -2,7 +2,10 @@
 
 Responses are generated with specjax's own batched decoding through the target's chat template, and stored as
 token arrays with assistant-only loss masks in numbered chunk files (`.npz`, no pickle). Each chunk is written
-atomically, so an interrupted run resumes at the first missing chunk.
+atomically, so an interrupted run resumes at the first missing chunk. With `data.source_tokens`, blocks of the
+standard library's source follow as further chunks, framed as assistant answers: text the target did not write, but
+the labels are still the target's own predictions (the features stage computes them), as in EAGLE's fixed-data
+training.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from specjax.errors import InputError
 from specjax.generate import generate
 from specjax.io.models import LoadedModel
 from train.config import DataSection
-from train.prompts import builtin_prompts
+from train.prompts import builtin_prompts, humaneval_entry_points, stdlib_source_answers, stub_names
 
 
 def load_prompts(data: DataSection) -> tuple[list[str], list[str]]:
@@ -74,21 +77,41 @@ def regenerate(model: LoadedModel, data: DataSection, folder: Path) -> None:
             seed=data.seed + i, eos_ids=eos, batch_size=data.batch_size,
         )  # fmt: skip
         _write_chunk(_chunk_path(folder, i), [(c.prompt_ids, c.output_ids) for c in out.completions])
+    source = source_samples(tok, data.source_tokens, stub_names(eval_prompts) | humaneval_entry_points(), data.seed)
+    for i in range(0, len(source), data.batch_size):
+        path = _chunk_path(folder, len(batches) + i // data.batch_size)
+        if not path.exists():
+            _write_chunk(path, source[i : i + data.batch_size])
     manifest = {
-        "chunks": len(batches),
+        "chunks": len(batches) + -(-len(source) // data.batch_size),
+        "regenerated_chunks": len(batches),
         "samples": len(kept),
         "skipped_long_prompts": len(encoded) - len(kept),
+        "source_samples": len(source),
+        "source_tokens": sum(len(r) for _, r in source),
         "python": sys.version.split()[0],
     }
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
-def load_samples(folder: Path) -> list[tuple[np.ndarray, np.ndarray]]:
-    """All (tokens, loss_mask) samples of a regenerated dataset, in chunk order."""
+def source_samples(tok, tokens: int, exclude_names: set[str], seed: int) -> list[tuple[list[int], list[int]]]:
+    """(question ids, answer ids) pairs of standard-library source until the answers hold `tokens` tokens."""
+    samples, total = [], 0
+    for question, answer in stdlib_source_answers(exclude_names, seed):
+        if total >= tokens:
+            break
+        samples.append((tok.chat_prompt_ids(question), tok.encode(answer)))
+        total += len(samples[-1][1])
+    return samples
+
+
+def load_samples(folder: Path, regenerated_only: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (tokens, loss_mask) samples of a dataset, in chunk order: all, or only those the target wrote."""
     manifest_path = folder / "manifest.json"
     if not manifest_path.is_file():
         raise InputError(f"{folder} holds no finished dataset; run the regenerate stage first")
-    chunks = json.loads(manifest_path.read_text())["chunks"]
+    manifest = json.loads(manifest_path.read_text())
+    chunks = manifest["regenerated_chunks" if regenerated_only else "chunks"]
     samples = []
     for i in range(chunks):
         with np.load(_chunk_path(folder, i), allow_pickle=False) as z:

@@ -1,4 +1,5 @@
-"""Training prompts that need no download: code stubs from this Python's standard library, plus templated tasks.
+"""Training text that needs no download: code stubs from this Python's standard library, plus templated tasks, as
+prompts for the target; and the standard library's own source, framed as assistant answers.
 
 The stubs (a signature and docstring, "complete this function") have the shape of HumanEval prompts without being
 HumanEval problems; functions named like a HumanEval entry point are dropped so the sets never overlap.
@@ -9,8 +10,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
+import re
 import sys
+import sysconfig
 import warnings
+from pathlib import Path
 
 # Modules that open windows, print on import, or are platform specific.
 _SKIP_MODULES = {
@@ -109,10 +113,7 @@ def humaneval_entry_points() -> set[str]:
     """Names of the HumanEval functions, to keep them out of training."""
     from decode.bench import humaneval_prompts
 
-    names = set()
-    for prompt in humaneval_prompts():
-        names.update(line.split("def ", 1)[1].split("(", 1)[0] for line in prompt.splitlines() if "def " in line)
-    return names
+    return stub_names(humaneval_prompts())
 
 
 def builtin_prompts(seed: int = 0) -> list[str]:
@@ -122,3 +123,39 @@ def builtin_prompts(seed: int = 0) -> list[str]:
     prompts += [t.format(topic=topic) for topic in _TOPICS for t in _EXPLAIN]
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+_SOURCE_BLOCK_LINES = 24  # about as many tokens as a regenerated response
+
+
+def _def_names(text: str) -> set[str]:
+    return set(re.findall(r"^\s*def (\w+)", text, flags=re.M))
+
+
+def stdlib_source_answers(exclude_names: set[str], seed: int = 0):
+    """(question, answer) pairs over the standard library's `.py` files, in a `seed`-shuffled file order: the answer
+    is a block of whole lines of one file (at most 24), fenced as Python. Blocks that define a function named in
+    `exclude_names` (held-out or HumanEval functions) are left out. A generator: callers take what they need."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skipped = {"site-packages", "dist-packages", "test", "tests"}
+    files = sorted(
+        p for p in root.rglob("*.py") if not skipped & set(p.parts) and p.parts[len(root.parts)] not in _SKIP_MODULES
+    )
+    random.Random(seed).shuffle(files)
+    for path in files:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        name = ".".join(path.relative_to(root).with_suffix("").parts)
+        for start in range(0, len(lines), _SOURCE_BLOCK_LINES):
+            block = "\n".join(lines[start : start + _SOURCE_BLOCK_LINES]).strip("\n")
+            if len(block) < 200 or _def_names(block) & exclude_names:
+                continue
+            part = f" (lines {start + 1}-{min(start + _SOURCE_BLOCK_LINES, len(lines))})"
+            yield f"Show the source code of the Python module `{name}`{part}.", f"```python\n{block}\n```"
+
+
+def stub_names(stubs: list[str]) -> set[str]:
+    """The function names defined by prompts (e.g. the held-out stubs)."""
+    return set().union(*(_def_names(s) for s in stubs)) if stubs else set()

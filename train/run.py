@@ -1,7 +1,7 @@
 """The training pipeline's stages, each runnable alone and resumable, all writing under `output_dir`:
 
 regenerate -> data/      the target's own responses to the prompts (token arrays + assistant-only loss masks)
-vocab      -> vocab.npz  the draft vocabulary (d2t / t2d) from assistant-token frequencies
+vocab      -> vocab.npz  the draft vocabulary (d2t / t2d) from the frequencies of the tokens the target wrote
 features   -> features/  the packed training rows with the target's features (skipped when training.features=online)
 train      -> train/     orbax checkpoints + metrics.jsonl
 evaluate   -> eval.json  mean accepted length on held-out prompts, by real speculative decoding
@@ -112,11 +112,11 @@ def stage_regenerate(cfg: TrainConfig, model: LoadedModel) -> None:
 
 
 def stage_vocab(cfg: TrainConfig, model: LoadedModel) -> None:
-    samples = load_samples(cfg.output_path / "data")
+    samples = load_samples(cfg.output_path / "data", regenerated_only=True)
     d2t, t2d, coverage = draft_vocab(samples, model.cfg.vocab_size, cfg.model.draft_vocab_size)
     save_vocab(cfg.output_path / "vocab.npz", d2t, t2d)
     (cfg.output_path / "vocab.json").write_text(json.dumps({"draft_vocab_size": len(d2t), "coverage": coverage}))
-    print(f"draft vocabulary: {len(d2t)} tokens cover {coverage:.2%} of assistant tokens", file=sys.stderr)
+    print(f"draft vocabulary: {len(d2t)} tokens cover {coverage:.2%} of the tokens the target wrote", file=sys.stderr)
 
 
 def packed_rows(cfg: TrainConfig) -> dict:

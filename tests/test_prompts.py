@@ -1,0 +1,31 @@
+"""The built-in training text: deterministic, HumanEval kept out, held-out functions kept out of the source answers."""
+
+import itertools
+import re
+
+from train.prompts import builtin_prompts, humaneval_entry_points, stdlib_source_answers, stub_names
+
+
+def _defined(text: str) -> set[str]:
+    return set(re.findall(r"^\s*def (\w+)", text, flags=re.M))
+
+
+def test_builtin_prompts_are_deterministic_and_never_humaneval():
+    prompts = builtin_prompts(seed=0)
+    assert len(prompts) > 1500 and prompts == builtin_prompts(seed=0) and prompts != builtin_prompts(seed=1)
+    entry_points = humaneval_entry_points()
+    assert len(entry_points) >= 160 and {"has_close_elements", "fizz_buzz"} <= entry_points
+    assert not any(_defined(p) & entry_points for p in prompts)
+
+
+def test_source_answers_are_fenced_blocks_without_excluded_functions():
+    first = list(itertools.islice(stdlib_source_answers(set(), seed=0), 200))
+    assert first == list(itertools.islice(stdlib_source_answers(set(), seed=0), 200))
+    for question, answer in first:
+        assert question.startswith("Show the source code of the Python module `")
+        assert answer.startswith("```python\n") and answer.endswith("\n```")
+        assert len(answer.splitlines()) <= 24 + 2
+    excluded = stub_names([answer for _, answer in first[:50]])
+    assert len(excluded) > 10
+    kept = list(itertools.islice(stdlib_source_answers(excluded, seed=0), 200))
+    assert kept and not any(_defined(answer) & excluded for _, answer in kept)
