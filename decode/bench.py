@@ -250,7 +250,7 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
 
 def parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="specjax-bench", description=__doc__)
-    cli.add_model_args(p)
+    cli.add_model_args(p, batch_default="1")
     cli.add_sampling_args(p)
     p.add_argument("--modes", default="ar,hf", help=f"comma-separated, from: {', '.join(MODES)}")
     p.add_argument(

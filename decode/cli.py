@@ -35,7 +35,7 @@ def run(main: Callable[[Sequence[str] | None], None], prog: str, argv: Sequence[
         sys.exit(130)
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser, batch_default: str = "all, at most 8") -> None:
     parser.add_argument(
         "--model", default="smollm2-135m", help="built-in name (smollm2-135m), a .gguf file, or an HF model folder"
     )
@@ -43,7 +43,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": ...} object per line')
     parser.add_argument("--raw", action="store_true", help="tokenize prompts as they are, without the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=None, help="prompts per batch (default: all, at most 8)")
+    parser.add_argument("--batch-size", type=int, default=None, help=f"prompts per batch (default: {batch_default})")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
