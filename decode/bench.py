@@ -22,7 +22,7 @@ from decode import cli
 from specjax import speculative
 from specjax.calibrate import forward_costs, round_breakdown
 from specjax.config import SamplingConfig
-from specjax.drafters import LayerSkipDrafter, NgramDrafter, load_eagle3_drafter
+from specjax.drafters import LayerSkipDrafter, LookupFirstDrafter, NgramDrafter, load_eagle3_drafter
 from specjax.errors import InputError
 from specjax.generate import generate
 from specjax.io.models import LoadedModel, load_model
@@ -136,11 +136,13 @@ def specjax_speculative(kind: str) -> Callable[..., Runner]:
         tree = None
         if kind == "ngram":
             drafter = NgramDrafter(max_n=options.get("ngram", 3))
-        elif kind in ("eagle3-chain", "eagle3-tree"):
+        elif kind in ("eagle3-chain", "eagle3-tree", "ngram-eagle3"):
             if not options.get("eagle3"):
                 raise InputError(f"mode {kind} needs an EAGLE-3 head folder: --eagle3 PATH")
             tree = TreeSpec.parse(options.get("tree") or DEFAULT_TREE) if kind == "eagle3-tree" else None
             drafter = load_eagle3_drafter(options["eagle3"], model.cfg, model.weights.embed, tree)
+            if kind == "ngram-eagle3":
+                drafter = LookupFirstDrafter(drafter, n=options.get("ngram", 3))
             if tree is not None:
                 k = tree.depth
         else:
@@ -172,8 +174,9 @@ MODES: dict[str, Callable[..., Runner]] = {
     "layerskip": specjax_speculative("layerskip"),
     "eagle3-chain": specjax_speculative("eagle3-chain"),
     "eagle3-tree": specjax_speculative("eagle3-tree"),
+    "ngram-eagle3": specjax_speculative("ngram-eagle3"),
 }
-SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree")
+SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree", "ngram-eagle3")
 DEFAULT_TREE = "5,3,10"  # depth, top-k, budget (nodes including the root): the fastest of those tried on a 2-core CPU
 
 

@@ -11,13 +11,23 @@ import pytest
 
 from decode.generate import entry
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters import Drafter, LayerSkipDrafter, ModelDrafter, NgramDrafter, drafter_from_spec, ngram_proposal
+from specjax.drafters import (
+    Drafter,
+    LayerSkipDrafter,
+    LookupFirstDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    drafter_from_spec,
+    ngram_lookup,
+    ngram_proposal,
+)
 from specjax.errors import InputError
 from specjax.generate import generate as ar_generate
 from specjax.generate import pack_prompts
 from specjax.io.hf import save_hf
 from specjax.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
+from specjax.tree import TreeSpec
 
 CFG = ModelConfig("llama", 64, 32, 64, 3, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
 WEIGHTS = init_weights(CFG, jax.random.key(0), scale=0.3)
@@ -38,6 +48,16 @@ def test_ngram_proposes_what_followed_the_most_recent_match():
     # With min_n = 3 the single-token tail match does not count.
     assert lookup([1, 2, 3, 4, 9, 9, 4], 2, max_n=3, min_n=3) == [4, 4]  # no match: the last token repeated
     assert lookup([1, 2, 3, 4, 9, 9, 4], 2, max_n=3, min_n=1) == [9, 9]
+    # The matched tail length comes with the proposal (0 without a match).
+    matched = [
+        int(ngram_lookup(jnp.asarray([text]), jnp.array([len(text)]), 2, 3, min_n)[1][0])
+        for text, min_n in (
+            ([5, 7, 8, 9, 4, 7, 8, 3, 5, 7, 8], 1),
+            ([1, 2, 3, 4, 9, 9, 4], 1),
+            ([1, 2, 3, 4, 9, 9, 4], 3),
+        )
+    ]
+    assert matched == [3, 1, 0]
 
 
 def test_ngram_continuation_runs_periodically_into_the_tail():
@@ -106,6 +126,8 @@ def test_drafter_from_spec():
     assert isinstance(skip, LayerSkipDrafter) and skip.num_layers == 2
     model = drafter_from_spec("model:x", WEIGHTS, CFG, load=lambda path: (CFG, WEIGHTS))
     assert isinstance(model, ModelDrafter)
+    lookup = drafter_from_spec("ngram+layerskip:2", WEIGHTS, CFG)
+    assert isinstance(lookup, LookupFirstDrafter) and lookup.n == 3 and lookup.fallback.num_layers == 2
     other = dataclasses.replace(CFG, vocab_size=32)
     bad = {
         "ngram:0": "n-gram",
@@ -115,12 +137,16 @@ def test_drafter_from_spec():
         "layerskip:3": "layer-skip",
         "model": "checkpoint",
         "eagle": "unknown drafter",
+        "ngram+none": "fallback",
+        "ngram+layerskip:0": "layer-skip",
     }
     for spec, message in bad.items():
         with pytest.raises(InputError, match=message):
             drafter_from_spec(spec, WEIGHTS, CFG, load=lambda path: (CFG, WEIGHTS))
     with pytest.raises(InputError, match="vocabulary"):
         drafter_from_spec("model:x", WEIGHTS, CFG, load=lambda path: (other, init_weights(other, jax.random.key(0))))
+    with pytest.raises(InputError, match="drop --tree"):
+        drafter_from_spec("ngram+eagle3:x", WEIGHTS, CFG, tree=TreeSpec(3, 2, 4))
 
 
 # ---------------------------------------------------------------------------------------------------------------

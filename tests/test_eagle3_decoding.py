@@ -16,7 +16,7 @@ from flax import nnx
 import specjax.speculative as spec
 from specjax import tree as tree_mod
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters import Eagle3Drafter, drafter_from_spec
+from specjax.drafters import Eagle3Drafter, LookupFirstDrafter, drafter_from_spec
 from specjax.errors import InputError
 from specjax.generate import generate as ar_generate
 from specjax.generate import pack_prompts
@@ -67,7 +67,8 @@ def ar_batch():
 
 def decode(d, prompts, cfg=CFG, weights=WEIGHTS, max_new=MAX_NEW, sampling=SamplingConfig(), seed=0):
     tokens, lengths = pack_prompts(prompts, len(prompts))
-    k = d.tree.depth if d.tree is not None else K
+    tree = getattr(d, "tree", None)
+    k = tree.depth if tree is not None else K
     return spec.speculative_decode(
         weights, d, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed),
         cfg=cfg, sampling=sampling, num_draft_tokens=k, max_new_tokens=max_new, eos_ids=(),
@@ -76,11 +77,15 @@ def decode(d, prompts, cfg=CFG, weights=WEIGHTS, max_new=MAX_NEW, sampling=Sampl
 
 @pytest.fixture(scope="module")
 def runs():
-    """Greedy batch-4 runs with the final loop state, chain and tree."""
-    return {name: decode(drafter(t), PROMPTS) for name, t in (("chain", None), ("tree", TREE))}
+    """Greedy batch-4 runs with the final loop state: chain, tree, and lookup first with the chain elsewhere."""
+    return {
+        "chain": decode(drafter(), PROMPTS),
+        "tree": decode(drafter(TREE), PROMPTS),
+        "lookup": decode(LookupFirstDrafter(drafter(), n=1), PROMPTS),
+    }
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("mode", ["chain", "tree", "lookup"])
 def test_greedy_batch_identical_to_autoregressive(mode, runs, ar_batch):
     out = runs[mode]
     got = [list(np.asarray(out.out_bn[i, : out.num_new_b[i]])) for i in range(len(PROMPTS))]
@@ -114,7 +119,7 @@ def committed(out, b):
     return np.asarray(out.state.tokens_bs[b, :n])
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("mode", ["chain", "tree", "lookup"])
 def test_target_and_head_kv_equal_a_fresh_prefix_pass(mode, runs):
     """Target KV (tree: after compaction) and head KV for committed positions equal fresh passes over the text."""
     out = runs[mode]
@@ -189,10 +194,13 @@ def total_variation(a, b):
         ("chain", SamplingConfig(temperature=1.0)),
         ("tree", SamplingConfig(temperature=1.0)),
         ("tree", SamplingConfig(temperature=0.8, top_k=5, top_p=0.9)),
+        ("lookup", SamplingConfig(temperature=1.0)),
     ],
 )
 def test_sampling_matches_the_target_distribution(mode, sampling):
     d = drafter(SMALL_TREE if mode == "tree" else None, SMALL_HEAD, SMALL_WEIGHTS)
+    if mode == "lookup":  # the 8-token vocabulary makes one-token lookups frequent: both drafters are exercised
+        d = LookupFirstDrafter(d, n=1)
     emp, stats = empirical_joint(d, sampling=sampling)
     tv = total_variation(emp, exact_joint_for(sampling))
     print(f"{mode} {sampling}: total variation {tv:.4f}, acceptance {stats.acceptance_by_position}")
@@ -247,6 +255,22 @@ def test_recursive_rejection_is_exact_for_one_node():
 
 # ---------------------------------------------------------------------------------------------------------------
 # Bad input.
+
+
+def test_lookup_first_takes_the_lookup_only_in_rows_whose_tail_recurs():
+    fallback = drafter()
+    d = LookupFirstDrafter(fallback, n=2)
+    tokens = jnp.asarray([[7, 8, 9, 4, 7, 8], [7, 8, 9, 4, 8, 7]], jnp.int32)  # row 0's tail "7 8" recurs
+    lengths = jnp.array([6, 6])
+    state = d.commit(d.init(tokens, lengths, 16), tokens[:, 1:], jnp.ones((2, 5, 3 * CFG.hidden_size)), lengths - 1)
+    options = dict(num_draft_tokens=3, vocab_size=CFG.vocab_size, sampling=SamplingConfig())
+    draft, probs, _ = d.propose(state, tokens, lengths, jax.random.key(0), **options)
+    alone, alone_probs, _ = fallback.propose(state, tokens, lengths, jax.random.key(0), **options)
+    assert draft[0].tolist() == [9, 4, 7] and probs[0].argmax(-1).tolist() == [9, 4, 7]
+    np.testing.assert_array_equal(draft[1], alone[1])
+    np.testing.assert_array_equal(probs[1], alone_probs[1])
+    with pytest.raises(InputError, match="cannot draft a tree"):
+        LookupFirstDrafter(drafter(TREE))
 
 
 def test_tree_parameters_out_of_range_are_refused():

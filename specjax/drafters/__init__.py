@@ -4,6 +4,7 @@
 - `LayerSkipDrafter`: the target's first N layers + final norm + LM head.
 - `ModelDrafter`: a separate, smaller checkpoint with the same vocabulary.
 - `Eagle3Drafter`: an EAGLE-3 head over the target's hidden states, as a chain or a dynamic tree.
+- `LookupFirstDrafter`: prompt lookup where the text repeats, another chain drafter elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.base import Drafter, DrafterHooks, commit_to, draw, tap_layers_of
 from specjax.drafters.eagle3 import Eagle3Drafter, Eagle3State, load_eagle3_drafter
 from specjax.drafters.model import LayerSkipDrafter, ModelDrafter, ModelDraftState
-from specjax.drafters.ngram import NgramDrafter, ngram_proposal
+from specjax.drafters.ngram import LookupFirstDrafter, NgramDrafter, ngram_lookup, ngram_proposal
 from specjax.errors import InputError
 from specjax.models.llama import Weights
 from specjax.tree import TreeSpec
@@ -25,6 +26,7 @@ __all__ = [
     "Eagle3Drafter",
     "Eagle3State",
     "LayerSkipDrafter",
+    "LookupFirstDrafter",
     "ModelDraftState",
     "ModelDrafter",
     "NgramDrafter",
@@ -33,13 +35,14 @@ __all__ = [
     "load_eagle3_drafter",
     "tap_layers_of",
     "drafter_from_spec",
+    "ngram_lookup",
     "ngram_proposal",
 ]
 
 SPEC_HELP = (
     "none, ngram[:N] (N = longest n-gram, default 3), layerskip:N (first N layers), model:PATH, "
     "eagle3:PATH (an EAGLE-3 head folder, or eagle3:smollm2-135m for the built-in head; with --tree for tree "
-    "drafting)"
+    "drafting), or ngram+SPEC (prompt lookup where the text repeats, the chain drafter SPEC elsewhere)"
 )
 
 
@@ -60,7 +63,8 @@ def drafter_from_spec(
     """Builds a drafter from a command-line spec.
 
     Args:
-      spec: "none", "ngram", "ngram:N", "layerskip:N", "model:PATH" or "eagle3:PATH".
+      spec: "none", "ngram", "ngram:N", "layerskip:N", "model:PATH", "eagle3:PATH" or "ngram+" and one of the
+        others (lookup first, that drafter elsewhere).
       weights, cfg: the target model (layer-skip drafts with its own weights; EAGLE-3 shares its embedding).
       load: for "model:PATH", returns (cfg, weights) of the checkpoint at PATH.
       tree: for "eagle3:PATH", draft a dynamic tree of this shape instead of a chain.
@@ -68,6 +72,13 @@ def drafter_from_spec(
       The drafter, or None for "none". Raises InputError on a malformed spec or a value out of range, and
       CheckpointError for an EAGLE-3 head that is missing, corrupt or made for another target.
     """
+    if spec.strip().startswith("ngram+"):
+        if tree is not None:
+            raise InputError("lookup-first drafting (ngram+SPEC) drafts chains; drop --tree")
+        fallback = drafter_from_spec(spec.strip().removeprefix("ngram+"), weights, cfg, load)
+        if fallback is None:
+            raise InputError("ngram+SPEC needs a fallback drafter, e.g. ngram+eagle3:smollm2-135m")
+        return LookupFirstDrafter(fallback)
     kind, _, arg = spec.strip().partition(":")
     if tree is not None and kind != "eagle3":
         raise InputError("tree drafting (--tree) needs an EAGLE-3 head: --drafter eagle3:PATH")

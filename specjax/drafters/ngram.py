@@ -7,11 +7,13 @@ tokens — that is the exact distribution it was drawn from, and the acceptance 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
+from specjax.drafters.base import commit_to, tap_layers_of
 from specjax.errors import InputError
 
 
@@ -45,7 +47,14 @@ class NgramDrafter:
 
 
 def ngram_proposal(tokens_bs: jax.Array, length_b: jax.Array, k: int, max_n: int, min_n: int = 1) -> jax.Array:
-    """K proposed tokens per row by prompt lookup (see NgramDrafter).
+    """K proposed tokens per row by prompt lookup (see NgramDrafter): int32 [B, K]; see `ngram_lookup`."""
+    return ngram_lookup(tokens_bs, length_b, k, max_n, min_n)[0]
+
+
+def ngram_lookup(
+    tokens_bs: jax.Array, length_b: jax.Array, k: int, max_n: int, min_n: int = 1
+) -> tuple[jax.Array, jax.Array]:
+    """Prompt lookup with the length of the tail it matched.
 
     Args:
       tokens_bs: int32 [B, S] committed tokens; slots >= length_b are ignored.
@@ -53,7 +62,7 @@ def ngram_proposal(tokens_bs: jax.Array, length_b: jax.Array, k: int, max_n: int
       k: static number of tokens to propose.
       max_n, min_n: static; the longest and shortest tail lengths tried.
     Returns:
-      int32 [B, K].
+      (proposal int32 [B, K], matched tail length int32 [B]: 0 where no tail of at least min_n tokens recurs).
     """
     B, S = tokens_bs.shape
     ends = jnp.arange(S)[None, :]  # a candidate earlier occurrence ends at slot e (matching the pending token)
@@ -74,4 +83,62 @@ def ngram_proposal(tokens_bs: jax.Array, length_b: jax.Array, k: int, max_n: int
     src = best[:, None] + 1 + jnp.arange(k)[None, :] % period[:, None]
     proposal = jnp.take_along_axis(tokens_bs, jnp.clip(src, 0, S - 1), axis=1)
     last = jnp.take_along_axis(tokens_bs, (length_b - 1)[:, None], axis=1)
-    return jnp.where(found[:, None], proposal, last).astype(jnp.int32)
+    matched = jnp.where(found, jnp.take_along_axis(match_len, best[:, None], axis=1)[:, 0], 0)
+    return jnp.where(found[:, None], proposal, last).astype(jnp.int32), matched.astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LookupFirstDrafter:
+    """Prompt lookup where the text repeats, another chain drafter elsewhere (e.g. EAGLE-3 on code that restates
+    its prompt).
+
+    A row whose last `n` tokens recur earlier in its text takes the lookup proposal (one-hot draft_probs); the
+    others take the fallback's. The choice is a function of the committed text, so each round's proposal still has
+    an exact distribution and the acceptance rule stays exact. The fallback's hooks (taps, commit) run every round;
+    its drafting is skipped when every row has a lookup match.
+    """
+
+    fallback: Any
+    n: int = dataclasses.field(default=3, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise InputError(f"the n-gram size must be >= 1, got {self.n}")
+        if getattr(self.fallback, "tree", None) is not None:
+            raise InputError("lookup-first drafting drafts chains; its fallback cannot draft a tree")
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return tap_layers_of(self.fallback)
+
+    def extra_slots(self, num_draft_tokens: int) -> int:
+        extra = getattr(self.fallback, "extra_slots", None)
+        return num_draft_tokens if extra is None else extra(num_draft_tokens)
+
+    def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
+        self.fallback.validate(target_cfg, num_draft_tokens)
+
+    def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> Any:
+        return self.fallback.init(tokens_bp, lengths_b, num_slots)
+
+    def commit(self, state: Any, next_tokens_bt, taps_btf, count_b) -> Any:
+        return commit_to(self.fallback, state, next_tokens_bt, taps_btf, count_b)
+
+    def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
+        """See `Drafter.propose`."""
+        lookup_bk, matched_b = ngram_lookup(tokens_bs, length_b, num_draft_tokens, self.n, self.n)
+        lookup_bkv = jax.nn.one_hot(lookup_bk, vocab_size, dtype=jnp.float32)
+        use_lookup = matched_b >= self.n
+
+        def fallback(state):
+            return self.fallback.propose(
+                state, tokens_bs, length_b, key, num_draft_tokens=num_draft_tokens, vocab_size=vocab_size,
+                sampling=sampling,
+            )  # fmt: skip
+
+        draft_bk, probs_bkv, state = jax.lax.cond(
+            use_lookup.all(), lambda state: (lookup_bk, lookup_bkv, state), fallback, state
+        )
+        draft_bk = jnp.where(use_lookup[:, None], lookup_bk, draft_bk)
+        return draft_bk, jnp.where(use_lookup[:, None, None], lookup_bkv, probs_bkv), state
