@@ -111,7 +111,8 @@ def load_samples(folder: Path, regenerated_only: bool = False) -> list[tuple[np.
     if not manifest_path.is_file():
         raise InputError(f"{folder} holds no finished dataset; run the regenerate stage first")
     manifest = json.loads(manifest_path.read_text())
-    chunks = manifest["regenerated_chunks" if regenerated_only else "chunks"]
+    # Datasets made before source samples existed hold regenerated chunks only.
+    chunks = manifest.get("regenerated_chunks", manifest["chunks"]) if regenerated_only else manifest["chunks"]
     samples = []
     for i in range(chunks):
         with np.load(_chunk_path(folder, i), allow_pickle=False) as z:
