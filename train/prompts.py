@@ -158,4 +158,4 @@ def stdlib_source_answers(exclude_names: set[str], seed: int = 0):
 
 def stub_names(stubs: list[str]) -> set[str]:
     """The function names defined by prompts (e.g. the held-out stubs)."""
-    return set().union(*(_def_names(s) for s in stubs)) if stubs else set()
+    return set().union(*(_def_names(s) for s in stubs))

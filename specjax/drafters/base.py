@@ -92,6 +92,12 @@ def tap_layers_of(drafter: Any) -> tuple[int, ...]:
     return tuple(getattr(drafter, "tap_layers", ()) or ())
 
 
+def extra_slots_of(drafter: Any, num_draft_tokens: int) -> int:
+    """KV slots a drafter needs past the committed text: its `extra_slots(K)` hook, else K."""
+    extra = getattr(drafter, "extra_slots", None)
+    return num_draft_tokens if extra is None else extra(num_draft_tokens)
+
+
 def commit_to(drafter: Any, state: Any, next_tokens_bt, taps_btf, count_b) -> Any:
     """Calls `drafter.commit` when the drafter has one, else returns the state unchanged."""
     commit = getattr(drafter, "commit", None)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.drafters.base import commit_to, tap_layers_of
+from specjax.drafters.base import commit_to, extra_slots_of, tap_layers_of
 from specjax.errors import InputError
 
 
@@ -113,8 +113,7 @@ class LookupFirstDrafter:
         return tap_layers_of(self.fallback)
 
     def extra_slots(self, num_draft_tokens: int) -> int:
-        extra = getattr(self.fallback, "extra_slots", None)
-        return num_draft_tokens if extra is None else extra(num_draft_tokens)
+        return extra_slots_of(self.fallback, num_draft_tokens)
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         self.fallback.validate(target_cfg, num_draft_tokens)
