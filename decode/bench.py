@@ -22,7 +22,13 @@ from decode import cli
 from specjax import speculative
 from specjax.calibrate import forward_costs, round_breakdown
 from specjax.config import SamplingConfig
-from specjax.drafters import LayerSkipDrafter, LookupFirstDrafter, NgramDrafter, load_eagle3_drafter
+from specjax.drafters import (
+    LayerSkipDrafter,
+    LookupFirstDrafter,
+    NgramDrafter,
+    load_eagle3_drafter,
+    with_lookup_tokens,
+)
 from specjax.errors import InputError
 from specjax.generate import generate
 from specjax.io.models import LoadedModel, load_model
@@ -150,6 +156,9 @@ def specjax_speculative(kind: str) -> Callable[..., Runner]:
             drafter = LayerSkipDrafter(model.weights, model.cfg, layers)
         if k == "auto":
             k = cli.auto_draft_tokens(model, drafter, options["calibration_prompt"], sampling, eos)
+        draft_steps = k
+        if kind == "ngram-eagle3":
+            drafter, k = with_lookup_tokens(drafter, k, options.get("lookup_tokens"))
         speculative.check_inputs(model.cfg, drafter, k)
 
         def run(group, max_new_tokens, seed):
@@ -159,7 +168,7 @@ def specjax_speculative(kind: str) -> Callable[..., Runner]:
             )  # fmt: skip
             return [c.output_ids for c in out.completions], out.seconds, out.stats
 
-        run.num_draft_tokens = k  # draft steps per round (tree: depth)
+        run.num_draft_tokens = draft_steps  # drafter steps per round (tree: depth)
         run.verify_tokens = tree.budget if tree is not None else k + 1
         return run
 
@@ -261,6 +270,10 @@ def parser() -> cli.ArgumentParser:
         help="K for the chain modes; 'auto' calibrates K per mode on the first prompt",
     )  # fmt: skip
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram the ngram mode matches")
+    p.add_argument(
+        "--lookup-tokens", type=int, default=None,
+        help="ngram-eagle3: tokens the lookup proposes (default K); the head still drafts K",
+    )  # fmt: skip
     p.add_argument("--draft-layers", type=int, default=None, help="layers of the layerskip drafter (default L/4)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder for the eagle3-chain / eagle3-tree modes")
     p.add_argument("--tree", default=None, help=f"depth,topk,budget of the eagle3-tree mode (default {DEFAULT_TREE})")
@@ -292,7 +305,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     used = sum(len(g) for g in groups)
 
     options = dict(
-        num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, draft_layers=args.draft_layers,
+        num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, lookup_tokens=args.lookup_tokens,
+        draft_layers=args.draft_layers,
         eagle3=args.eagle3, tree=args.tree, calibration_prompt=groups[0][0],
     )  # fmt: skip
     runners = {

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from decode import cli
 from specjax import speculative
-from specjax.drafters import SPEC_HELP, drafter_from_spec
+from specjax.drafters import SPEC_HELP, drafter_from_spec, with_lookup_tokens
 from specjax.generate import generate
 from specjax.io.models import load_model
 from specjax.tree import TreeSpec
@@ -24,6 +24,10 @@ def parser() -> cli.ArgumentParser:
     p.add_argument(
         "--num-draft-tokens", type=cli.draft_tokens, default=5,
         help="K, draft tokens per round (with --drafter); 'auto' picks K from a short calibration",
+    )  # fmt: skip
+    p.add_argument(
+        "--lookup-tokens", type=int, default=None,
+        help="with --drafter ngram+SPEC: tokens the lookup proposes (default K); SPEC still drafts K",
     )  # fmt: skip
     p.add_argument(
         "--compare-ar", action="store_true",
@@ -61,8 +65,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.num_draft_tokens = (
             8 if tree is not None else cli.auto_draft_tokens(model, drafter, prompt_ids[0], sampling, eos)
         )
+    drafter, verified = with_lookup_tokens(drafter, args.num_draft_tokens, args.lookup_tokens)
     if drafter is not None:
-        speculative.check_inputs(model.cfg, drafter, args.num_draft_tokens)
+        speculative.check_inputs(model.cfg, drafter, verified)
     batch_size = args.batch_size or (min(args.num_samples, 64) if args.num_samples > 1 else min(len(prompts), 8))
 
     results = []
@@ -77,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 model.cfg,
                 group,
                 drafter=drafter,
-                num_draft_tokens=args.num_draft_tokens,
+                num_draft_tokens=verified,
                 batch_size=batch_size,
                 **kw,
             )
@@ -137,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "raw": args.raw,
             "drafter": args.drafter,
             "num_draft_tokens": args.num_draft_tokens if drafter is not None and tree is None else None,
+            "lookup_tokens": args.lookup_tokens,
             "tree": args.tree,
             "num_samples": args.num_samples,
         }

@@ -193,6 +193,7 @@ def test_cli_speculative_json(tiny_folders, tmp_path):
         (["--drafter", "medusa"], "unknown drafter"),
         (["--drafter", "model:SMALL_VOCAB"], "vocabulary"),
         (["--num-samples", "0"], "num-samples"),
+        (["--lookup-tokens", "8"], "lookup-first"),
     ],
 )
 def test_cli_bad_drafter_input_is_one_line_and_exit_2(flags, needle, tiny_folders, capsys):

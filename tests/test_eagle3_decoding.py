@@ -16,7 +16,7 @@ from flax import nnx
 import specjax.speculative as spec
 from specjax import tree as tree_mod
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters import Eagle3Drafter, LookupFirstDrafter, drafter_from_spec
+from specjax.drafters import Eagle3Drafter, LookupFirstDrafter, drafter_from_spec, with_lookup_tokens
 from specjax.errors import InputError
 from specjax.generate import generate as ar_generate
 from specjax.generate import pack_prompts
@@ -77,15 +77,17 @@ def decode(d, prompts, cfg=CFG, weights=WEIGHTS, max_new=MAX_NEW, sampling=Sampl
 
 @pytest.fixture(scope="module")
 def runs():
-    """Greedy batch-4 runs with the final loop state: chain, tree, and lookup first with the chain elsewhere."""
+    """Greedy batch-4 runs with the final loop state: chain, tree, and lookup first with the chain elsewhere (drafting
+    all K, or fewer than the lookup)."""
     return {
         "chain": decode(drafter(), PROMPTS),
         "tree": decode(drafter(TREE), PROMPTS),
         "lookup": decode(LookupFirstDrafter(drafter(), n=1), PROMPTS),
+        "lookup-longer": decode(LookupFirstDrafter(drafter(), n=1, fallback_tokens=K - 1), PROMPTS),
     }
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree", "lookup"])
+@pytest.mark.parametrize("mode", ["chain", "tree", "lookup", "lookup-longer"])
 def test_greedy_batch_identical_to_autoregressive(mode, runs, ar_batch):
     out = runs[mode]
     got = [list(np.asarray(out.out_bn[i, : out.num_new_b[i]])) for i in range(len(PROMPTS))]
@@ -119,7 +121,7 @@ def committed(out, b):
     return np.asarray(out.state.tokens_bs[b, :n])
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree", "lookup"])
+@pytest.mark.parametrize("mode", ["chain", "tree", "lookup", "lookup-longer"])
 def test_target_and_head_kv_equal_a_fresh_prefix_pass(mode, runs):
     """Target KV (tree: after compaction) and head KV for committed positions equal fresh passes over the text."""
     out = runs[mode]
@@ -195,16 +197,21 @@ def total_variation(a, b):
         ("tree", SamplingConfig(temperature=1.0)),
         ("tree", SamplingConfig(temperature=0.8, top_k=5, top_p=0.9)),
         ("lookup", SamplingConfig(temperature=1.0)),
+        ("lookup-longer", SamplingConfig(temperature=1.0)),
     ],
 )
 def test_sampling_matches_the_target_distribution(mode, sampling):
     d = drafter(SMALL_TREE if mode == "tree" else None, SMALL_HEAD, SMALL_WEIGHTS)
-    if mode == "lookup":  # the 8-token vocabulary makes one-token lookups frequent: both drafters are exercised
-        d = LookupFirstDrafter(d, n=1)
+    if mode.startswith("lookup"):  # the 8-token vocabulary makes one-token lookups frequent: both drafters are used
+        d = LookupFirstDrafter(d, n=1, fallback_tokens=1 if mode == "lookup-longer" else None)
     emp, stats = empirical_joint(d, sampling=sampling)
-    tv = total_variation(emp, exact_joint_for(sampling))
-    print(f"{mode} {sampling}: total variation {tv:.4f}, acceptance {stats.acceptance_by_position}")
+    exact = exact_joint_for(sampling)
+    tv = total_variation(emp, exact)
+    # A sharper statistic for one failure: a repeated token (lookup-longer pads with repeats) drawn too often.
+    repeats = [float(np.trace(j.sum(0))) for j in (emp, exact)]  # P(x3 == x2)
+    print(f"{mode} {sampling}: total variation {tv:.4f}, P(x3 = x2) {repeats}, acceptance {stats.acceptance_by_position}")
     assert tv < TV_BOUND, tv
+    assert abs(repeats[0] - repeats[1]) < 0.02  # 3.7 standard deviations at 8192 samples
     assert stats.acceptance_by_position[0] > 0.15  # the drafts were really tested, not all rejected
 
 
@@ -271,6 +278,28 @@ def test_lookup_first_takes_the_lookup_only_in_rows_whose_tail_recurs():
     np.testing.assert_array_equal(probs[1], alone_probs[1])
     with pytest.raises(InputError, match="cannot draft a tree"):
         LookupFirstDrafter(drafter(TREE))
+
+
+def test_lookup_first_fallback_drafting_fewer_tokens_repeats_its_last_draft():
+    fallback = drafter()
+    d, verified = with_lookup_tokens(LookupFirstDrafter(fallback, n=2), 1, 3)
+    assert d.fallback_tokens == 1 and verified == 3
+    tokens = jnp.asarray([[7, 8, 9, 4, 7, 8], [7, 8, 9, 4, 8, 7]], jnp.int32)  # row 0's tail "7 8" recurs
+    lengths = jnp.array([6, 6])
+    state = d.commit(d.init(tokens, lengths, 16), tokens[:, 1:], jnp.ones((2, 5, 3 * CFG.hidden_size)), lengths - 1)
+    options = dict(vocab_size=CFG.vocab_size, sampling=SamplingConfig())
+    draft, probs, _ = d.propose(state, tokens, lengths, jax.random.key(0), num_draft_tokens=3, **options)
+    alone, alone_probs, _ = fallback.propose(state, tokens, lengths, jax.random.key(0), num_draft_tokens=1, **options)
+    assert draft[0].tolist() == [9, 4, 7]  # the lookup proposes all 3
+    assert draft[1].tolist() == [int(alone[1, 0])] * 3
+    np.testing.assert_array_equal(probs[1, 0], alone_probs[1, 0])
+    assert probs[1, 1:].argmax(-1).tolist() == [int(alone[1, 0])] * 2 and float(probs[1, 1:].sum()) == 2.0
+    assert with_lookup_tokens(fallback, 4, None) == (fallback, 4)
+    assert with_lookup_tokens(d, 5, 2)[1] == 5
+    with pytest.raises(InputError, match="lookup-first"):
+        with_lookup_tokens(fallback, 4, 8)
+    with pytest.raises(InputError, match=">= 1"):
+        with_lookup_tokens(d, 4, 0)
 
 
 def test_tree_parameters_out_of_range_are_refused():

@@ -15,7 +15,13 @@ from specjax.config import ModelConfig
 from specjax.drafters.base import Drafter, DrafterHooks, commit_to, draw, tap_layers_of
 from specjax.drafters.eagle3 import Eagle3Drafter, Eagle3State, load_eagle3_drafter
 from specjax.drafters.model import LayerSkipDrafter, ModelDrafter, ModelDraftState
-from specjax.drafters.ngram import LookupFirstDrafter, NgramDrafter, ngram_lookup, ngram_proposal
+from specjax.drafters.ngram import (
+    LookupFirstDrafter,
+    NgramDrafter,
+    ngram_lookup,
+    ngram_proposal,
+    with_lookup_tokens,
+)
 from specjax.errors import InputError
 from specjax.models.llama import Weights
 from specjax.tree import TreeSpec
@@ -37,6 +43,7 @@ __all__ = [
     "drafter_from_spec",
     "ngram_lookup",
     "ngram_proposal",
+    "with_lookup_tokens",
 ]
 
 SPEC_HELP = (

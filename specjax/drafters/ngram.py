@@ -97,14 +97,21 @@ class LookupFirstDrafter:
     others take the fallback's. The choice is a function of the committed text, so each round's proposal still has
     an exact distribution and the acceptance rule stays exact. The fallback's hooks (taps, commit) run every round;
     its drafting is skipped when every row has a lookup match.
+
+    `fallback_tokens` (default: all K) lets the lookup propose more tokens than the fallback drafts: copied text is
+    often right for many tokens, a small drafter's guesses rarely are. The fallback drafts that many; the rest of
+    its row repeats its last draft (one-hot, so still exact), filling the K slots the round verifies.
     """
 
     fallback: Any
     n: int = dataclasses.field(default=3, metadata=dict(static=True))
+    fallback_tokens: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
         if self.n < 1:
             raise InputError(f"the n-gram size must be >= 1, got {self.n}")
+        if self.fallback_tokens is not None and self.fallback_tokens < 1:
+            raise InputError(f"the fallback's draft tokens must be >= 1, got {self.fallback_tokens}")
         if getattr(self.fallback, "tree", None) is not None:
             raise InputError("lookup-first drafting drafts chains; its fallback cannot draft a tree")
 
@@ -130,14 +137,38 @@ class LookupFirstDrafter:
         lookup_bkv = jax.nn.one_hot(lookup_bk, vocab_size, dtype=jnp.float32)
         use_lookup = matched_b >= self.n
 
+        k = min(self.fallback_tokens or num_draft_tokens, num_draft_tokens)
+
         def fallback(state):
-            return self.fallback.propose(
-                state, tokens_bs, length_b, key, num_draft_tokens=num_draft_tokens, vocab_size=vocab_size,
-                sampling=sampling,
-            )  # fmt: skip
+            draft_bk, probs_bkv, state = self.fallback.propose(
+                state, tokens_bs, length_b, key, num_draft_tokens=k, vocab_size=vocab_size, sampling=sampling
+            )
+            repeat_bk = jnp.repeat(draft_bk[:, -1:], num_draft_tokens - k, axis=1)
+            repeat_bkv = jax.nn.one_hot(repeat_bk, vocab_size, dtype=jnp.float32)
+            return (
+                jnp.concatenate([draft_bk, repeat_bk], axis=1),
+                jnp.concatenate([probs_bkv, repeat_bkv], axis=1),
+                state,
+            )
 
         draft_bk, probs_bkv, state = jax.lax.cond(
             use_lookup.all(), lambda state: (lookup_bk, lookup_bkv, state), fallback, state
         )
         draft_bk = jnp.where(use_lookup[:, None], lookup_bk, draft_bk)
         return draft_bk, jnp.where(use_lookup[:, None, None], lookup_bkv, probs_bkv), state
+
+
+def with_lookup_tokens(drafter: Any, num_draft_tokens: int, lookup_tokens: int | None) -> tuple[Any, int]:
+    """Lets a lookup-first drafter's lookup propose `lookup_tokens` while its fallback drafts `num_draft_tokens`.
+
+    Returns:
+      (drafter, tokens verified per round: the larger of the two). Raises InputError when `lookup_tokens` is given
+      for another drafter.
+    """
+    if lookup_tokens is None:
+        return drafter, num_draft_tokens
+    if not isinstance(drafter, LookupFirstDrafter):
+        raise InputError("--lookup-tokens applies to lookup-first drafting only (ngram+SPEC, mode ngram-eagle3)")
+    if lookup_tokens < 1:
+        raise InputError(f"--lookup-tokens must be >= 1, got {lookup_tokens}")
+    return dataclasses.replace(drafter, fallback_tokens=num_draft_tokens), max(num_draft_tokens, lookup_tokens)
