@@ -209,7 +209,7 @@ def test_sampling_matches_the_target_distribution(mode, sampling):
     tv = total_variation(emp, exact)
     # A sharper statistic for one failure: a repeated token (lookup-longer pads with repeats) drawn too often.
     repeats = [float(np.trace(j.sum(0))) for j in (emp, exact)]  # P(x3 == x2)
-    print(f"{mode} {sampling}: total variation {tv:.4f}, P(x3 = x2) {repeats}, acceptance {stats.acceptance_by_position}")
+    print(f"{mode} {sampling}: TV {tv:.4f}, P(x3 = x2) {repeats}, acceptance {stats.acceptance_by_position}")
     assert tv < TV_BOUND, tv
     assert abs(repeats[0] - repeats[1]) < 0.02  # 3.7 standard deviations at 8192 samples
     assert stats.acceptance_by_position[0] > 0.15  # the drafts were really tested, not all rejected
