@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from decode import cli
 from specjax import speculative
-from specjax.calibrate import forward_costs, round_breakdown
+from specjax.calibrate import drafter_seconds, forward_costs, round_breakdown
 from specjax.config import SamplingConfig
 from specjax.drafters import (
     LayerSkipDrafter,
@@ -168,6 +168,7 @@ def specjax_speculative(kind: str) -> Callable[..., Runner]:
             )  # fmt: skip
             return [c.output_ids for c in out.completions], out.seconds, out.stats
 
+        run.drafter, run.sampling, run.verified_k = drafter, sampling, k
         run.num_draft_tokens = draft_steps  # drafter steps per round (tree: depth)
         run.verify_tokens = tree.budget if tree is not None else k + 1
         return run
@@ -210,12 +211,15 @@ def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int) 
 
 
 def add_breakdown(run: ModeRun, runner: Runner, model: LoadedModel, groups, max_new_tokens: int) -> None:
-    """Measures the target's step and verification costs at this shape and splits the mode's rounds with them."""
+    """Measures the target's step and verification costs and the drafter's own work at this shape, and splits the
+    mode's rounds with them."""
     context = int(statistics.median(len(p) for g in groups for p in g)) + max_new_tokens // 2
-    costs = forward_costs(model.weights, model.cfg, len(groups[0]), context, runner.verify_tokens)
+    batch = len(groups[0])
+    costs = forward_costs(model.weights, model.cfg, batch, context, runner.verify_tokens)
+    drafter_s = drafter_seconds(runner.drafter, model.cfg, batch, context, runner.verified_k, runner.sampling)
     stats = speculative.SpecStats.from_histogram(run.rounds, run.histogram, sum(run.batch_tokens), 1.0)
     run.breakdown = round_breakdown(
-        costs, sum(run.batch_seconds), run.rounds, stats.mean_accepted, runner.num_draft_tokens
+        costs, sum(run.batch_seconds), run.rounds, stats.mean_accepted, runner.num_draft_tokens, drafter_s
     )
 
 

@@ -1,8 +1,9 @@
 """Where the time of a speculative round goes, measured: target step, verification, drafting.
 
-`forward_costs` times the target alone (one token, and K+1 tokens against the same cache); `round_breakdown` turns a
-speculative run's wall time and statistics into the draft cost ratio c and the speedup the model of
-`specjax.speedup` predicts from them, to set beside the measured speedup.
+`forward_costs` times the target alone (one token, and K+1 tokens against the same cache); `drafter_seconds` times
+the drafter alone (its commit of a round's verified rows, then its proposal); `round_breakdown` turns a speculative
+run's wall time and statistics into the draft cost ratio c and the speedup the model of `specjax.speedup` predicts
+from them, to set beside the measured speedup.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from specjax.config import ModelConfig
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.drafters.base import commit_to, extra_slots_of, tap_layers_of
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.speedup import acceptance_rate_from_mean, expected_tokens_per_round
@@ -54,18 +56,65 @@ def forward_costs(
     def timed(t: int) -> float:
         tokens = jnp.ones((batch, t), jnp.int32)
         positions = context + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-        jax.block_until_ready(run(weights, cfg, tokens, positions, cache))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(weights, cfg, tokens, positions, cache))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return _median_seconds(lambda: run(weights, cfg, tokens, positions, cache), reps)
 
     return ForwardCosts(step_s=timed(1), verify_s=timed(num_tokens))
 
 
-def round_breakdown(costs: ForwardCosts, seconds: float, rounds: int, mean_accepted: float, num_draft_tokens: int):
+def drafter_seconds(
+    drafter, cfg: ModelConfig, batch: int, context: int, num_draft_tokens: int, sampling: SamplingConfig, reps: int = 7
+) -> float:
+    """Median wall time of a drafter's own work in one round, alone: its commit of the K+1 verified rows (drafters
+    with that hook), then its proposal of K tokens (or its tree), over `context` committed tokens of random text.
+
+    Args:
+      drafter: any `Drafter`.
+      cfg: the target config (vocabulary, width of the taps).
+      batch: rows.
+      context: committed tokens per row.
+      num_draft_tokens: K (for a tree drafter: its depth).
+      sampling: the sampling config of the run.
+      reps: timed repetitions (after one warm-up).
+    """
+    K = num_draft_tokens
+    slots = context + extra_slots_of(drafter, K) + 1
+    tokens = jax.random.randint(jax.random.key(0), (batch, slots), 0, cfg.vocab_size, jnp.int32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    taps = len(tap_layers_of(drafter)) * cfg.hidden_size
+    state = drafter.init(tokens[:, :context], lengths, slots)
+    state = commit_to(drafter, state, tokens[:, 1 : context + 1], jnp.ones((batch, context, taps)), lengths)
+
+    @jax.jit
+    def one_round(drafter, state, key):
+        state = commit_to(drafter, state, tokens[:, :K + 1], jnp.ones((batch, K + 1, taps)), jnp.full((batch,), K))
+        if getattr(drafter, "tree", None) is not None:
+            return drafter.propose_tree(state, tokens[:, context], key, sampling)
+        return drafter.propose(
+            state, tokens, lengths + 1, key, num_draft_tokens=K, vocab_size=cfg.vocab_size, sampling=sampling
+        )
+
+    return _median_seconds(lambda: one_round(drafter, state, jax.random.key(1)), reps)
+
+
+def _median_seconds(fn, reps: int) -> float:
+    """Median wall time of `fn()` (a jitted call) over `reps` runs after one warm-up."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def round_breakdown(
+    costs: ForwardCosts,
+    seconds: float,
+    rounds: int,
+    mean_accepted: float,
+    num_draft_tokens: int,
+    drafter_s: float | None = None,
+):
     """Splits a speculative run's time per round into verification and drafting, and predicts its speedup.
 
     Args:
@@ -74,10 +123,12 @@ def round_breakdown(costs: ForwardCosts, seconds: float, rounds: int, mean_accep
       rounds: its rounds (verification passes).
       mean_accepted: tokens per round, bonus included.
       num_draft_tokens: K (for trees: the depth).
+      drafter_s: optionally, the drafter's own work per round measured alone (`drafter_seconds`).
     Returns:
-      dict with round_ms, verify_ms, draft_ms, cost_ratio c (one draft step / one target step), verify_ratio,
-      alpha (per-token acceptance rate implied by mean_accepted) and predicted_speedup
-      = expected tokens per round / (verify_ratio + K c).
+      dict with round_ms, verify_ms, draft_ms (the round minus the verification: drafting and the loop's own work),
+      cost_ratio c (draft_ms over K target steps), verify_ratio, alpha (per-token acceptance rate implied by
+      mean_accepted) and predicted_speedup = expected tokens per round / (verify_ratio + K c); with drafter_s also
+      drafter_ms and rest_ms = draft_ms - drafter_ms.
     """
     K = num_draft_tokens
     round_s = seconds / max(rounds, 1)
@@ -94,6 +145,7 @@ def round_breakdown(costs: ForwardCosts, seconds: float, rounds: int, mean_accep
         "verify_ratio": costs.verify_ratio,
         "alpha": alpha,
         "predicted_speedup": predicted,
+        **({} if drafter_s is None else {"drafter_ms": 1000 * drafter_s, "rest_ms": 1000 * (draft_s - drafter_s)}),
     }
 
 
