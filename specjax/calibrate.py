@@ -86,7 +86,7 @@ def drafter_seconds(
 
     @jax.jit
     def one_round(drafter, state, key):
-        state = commit_to(drafter, state, tokens[:, :K + 1], jnp.ones((batch, K + 1, taps)), jnp.full((batch,), K))
+        state = commit_to(drafter, state, tokens[:, : K + 1], jnp.ones((batch, K + 1, taps)), jnp.full((batch,), K))
         if getattr(drafter, "tree", None) is not None:
             return drafter.propose_tree(state, tokens[:, context], key, sampling)
         return drafter.propose(

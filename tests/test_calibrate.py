@@ -7,8 +7,8 @@ from specjax.config import ModelConfig, SamplingConfig
 from specjax.drafters import Eagle3Drafter, LayerSkipDrafter, LookupFirstDrafter, NgramDrafter
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.llama import init_weights
-from specjax.tree import TreeSpec
 from specjax.speedup import expected_tokens_per_round
+from specjax.tree import TreeSpec
 
 
 def test_round_breakdown_splits_time_and_predicts_from_the_model():
