@@ -6,6 +6,7 @@ Modes: `ar` (specjax autoregressive) and, where the `dev` extra (transformers + 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gzip
 import importlib.util
@@ -210,10 +211,24 @@ def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int) 
     return runs
 
 
+def typical_context(groups, max_new_tokens: int) -> int:
+    """Committed tokens per row halfway through a typical decode: the median prompt plus half the new tokens."""
+    return int(statistics.median(len(p) for g in groups for p in g)) + max_new_tokens // 2
+
+
+def forward_cost_sweep(model: LoadedModel, batch: int, context: int, token_counts: Sequence[int]) -> list[dict]:
+    """The target forward's median time over T tokens per row, for each T, against one target step."""
+    rows = []
+    for t in token_counts:
+        costs = forward_costs(model.weights, model.cfg, batch, context, t)
+        rows.append({"tokens": t, "ms": 1000 * costs.verify_s, "target_steps": costs.verify_ratio})
+    return rows
+
+
 def add_breakdown(run: ModeRun, runner: Runner, model: LoadedModel, groups, max_new_tokens: int) -> None:
     """Measures the target's step and verification costs and the drafter's own work at this shape, and splits the
     mode's rounds with them."""
-    context = int(statistics.median(len(p) for g in groups for p in g)) + max_new_tokens // 2
+    context = typical_context(groups, max_new_tokens)
     batch = len(groups[0])
     costs = forward_costs(model.weights, model.cfg, batch, context, runner.verify_tokens)
     drafter_s = drafter_seconds(runner.drafter, model.cfg, batch, context, runner.verified_k, runner.sampling)
@@ -264,6 +279,17 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def token_counts(text: str) -> list[int]:
+    """--forward-costs: comma-separated positive integers."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be >= 1, got {text!r}")
+    return counts
+
+
 def parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="specjax-bench", description=__doc__)
     cli.add_model_args(p, batch_default="1")
@@ -282,6 +308,10 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder for the eagle3-chain / eagle3-tree modes")
     p.add_argument("--tree", default=None, help=f"depth,topk,budget of the eagle3-tree mode (default {DEFAULT_TREE})")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument(
+        "--forward-costs", type=token_counts, default=None, metavar="T,T,...",
+        help="also time the target forward over T tokens per row (e.g. 1,5,9,16), against one step",
+    )  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=Path("bench_out"), help="where the JSON, table and plot go")
     p.add_argument("--json", dest="json_out", type=Path, help="JSON path (default OUT_DIR/bench.json)")
     p.add_argument("--plot", type=Path, help="PNG path (default OUT_DIR/bench.png)")
@@ -323,16 +353,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             add_breakdown(runs[mode], runners[mode], model, groups, args.max_new_tokens)
     ar = runs.get("ar")
     rows = [runs[m].summary(ar, sampling.greedy) for m in modes]
+    sweep = forward_cost_sweep(
+        model, batch_size, typical_context(groups, args.max_new_tokens), args.forward_costs or []
+    )
     config = {
         "model": args.model, "prompts": used, "batch_size": batch_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
         "dtype": str(model.weights.embed.dtype), "date": time.strftime("%Y-%m-%d"),
+        "num_draft_tokens": args.num_draft_tokens, "ngram": args.ngram, "lookup_tokens": args.lookup_tokens,
+        "draft_layers": args.draft_layers, "eagle3": args.eagle3, "tree": args.tree or DEFAULT_TREE,
     }  # fmt: skip
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path = args.json_out or args.out_dir / "bench.json"
     plot_path = args.plot or args.out_dir / "bench.png"
     table = markdown_table(rows)
-    json_path.write_text(json.dumps({"config": config, "modes": rows}, indent=1))
+    if sweep:
+        table += "\n| tokens per row | forward (ms, median) | target steps |\n|---:|---:|---:|\n"
+        table += "".join(f"| {r['tokens']} | {r['ms']:.1f} | {r['target_steps']:.2f} |\n" for r in sweep)
+    json_path.write_text(
+        json.dumps({"config": config, "modes": rows, **({"forward_costs": sweep} if sweep else {})}, indent=1)
+    )
     (args.out_dir / "bench.md").write_text(table)
     title = f"{args.model}, {used} prompts, batch {batch_size}, {args.max_new_tokens} new tokens, T={args.temperature}"
     plot(rows, plot_path, title)

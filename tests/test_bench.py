@@ -12,23 +12,27 @@ from decode import bench
 def test_bench_writes_json_table_and_plot(tmp_path, capsys):
     prompts = ["Write a function.", "Name three rivers.", "Count to ten.", "Hello!"]
     argv = ["--model", "tiny-random", "--modes", "ar,ngram,layerskip", "--max-new-tokens", "12",
-            "--num-draft-tokens", "3", "--draft-layers", "1", "--out-dir", str(tmp_path)]  # fmt: skip
+            "--num-draft-tokens", "3", "--draft-layers", "1", "--forward-costs", "1,4",
+            "--out-dir", str(tmp_path)]  # fmt: skip
     for p in prompts:
         argv += ["--prompt", p]
     bench.main(argv)
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["config"]["prompts"] == 4 and report["config"]["batch_size"] == 1
+    assert report["config"]["num_draft_tokens"] == 3 and report["config"]["draft_layers"] == 1
     rows = {r["mode"]: r for r in report["modes"]}
     assert list(rows) == ["ar", "ngram", "layerskip"]
     for mode in ("ngram", "layerskip"):
         r = rows[mode]
         assert r["identical_to_ar"] is True
         assert 1.0 <= r["mean_accepted"] <= 4.0
-        assert r["breakdown"]["verify_ratio"] > 0
+        assert r["breakdown"]["verify_ratio"] > 0 and r["breakdown"]["drafter_ms"] > 0
         assert r["total_tokens"] == rows["ar"]["total_tokens"]
     assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     table = (tmp_path / "bench.md").read_text()
-    assert table.count("\n") == 2 + 3 and "| ngram |" in table
+    assert [r["tokens"] for r in report["forward_costs"]] == [1, 4]
+    assert all(r["ms"] > 0 and r["target_steps"] > 0 for r in report["forward_costs"])
+    assert table.count("\n") == (2 + 3) + 1 + (2 + 2) and "| ngram |" in table and "| 4 |" in table
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "| layerskip |" in capsys.readouterr().out
 
@@ -51,3 +55,14 @@ def test_measure_interleaves_modes_and_pairs_speedups():
     summary = runs["fast"].summary(runs["ar"], greedy=True)
     assert summary["speedup_vs_ar"] == pytest.approx(2.0)
     assert summary["tokens_per_s"] == pytest.approx(statistics.median([20.0, 10.0]))
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [(["--forward-costs", "0,4"], ">= 1"), (["--forward-costs", "a"], "integers"), (["--modes", "x"], "x")],
+)
+def test_bad_bench_input_is_one_line_and_exit_2(flags, needle, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.entry(["--model", "tiny-random", "--prompt", "Hi", *flags])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and needle in err, err

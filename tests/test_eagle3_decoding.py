@@ -355,17 +355,27 @@ def run_cli(capsys, *argv):
     return exit_info.value.code, capsys.readouterr().err.strip()
 
 
-@pytest.mark.parametrize("tree", [None, "3,2,6"])
-def test_cli_eagle3_greedy_equals_plain_decoding(cli_target, tmp_path, tree):
+@pytest.mark.parametrize(
+    "prefix, extra",
+    [
+        ("", ["--num-draft-tokens", "3"]),
+        ("", ["--tree", "3,2,6"]),
+        ("ngram+", ["--num-draft-tokens", "2", "--lookup-tokens", "4"]),
+    ],
+)
+def test_cli_eagle3_greedy_equals_plain_decoding(cli_target, tmp_path, prefix, extra):
     from decode.generate import entry
 
     common = ["--model", str(cli_target / "target"), "--prompt", "Hi", "--max-new-tokens", "8"]
     entry([*common, "--json", str(tmp_path / "ar.json")])
-    extra = ["--tree", tree] if tree else ["--num-draft-tokens", "3"]
-    entry([*common, "--drafter", f"eagle3:{cli_target / 'head'}", *extra, "--json", str(tmp_path / "e3.json")])
+    drafter = f"{prefix}eagle3:{cli_target / 'head'}"
+    entry([*common, "--drafter", drafter, *extra, "--json", str(tmp_path / "e3.json")])
     ar, e3 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ar", "e3"))
     assert e3["results"][0]["output_ids"] == ar["results"][0]["output_ids"]
-    assert e3["results"][0]["stats"]["mean_accepted"] >= 1 and e3["config"]["tree"] == tree
+    stats, config = e3["results"][0]["stats"], e3["config"]
+    assert stats["mean_accepted"] >= 1 and config["tree"] == (extra[1] if extra[0] == "--tree" else None)
+    if prefix:  # the round verifies the lookup's 4 tokens
+        assert len(stats["acceptance_by_position"]) == 4 and config["lookup_tokens"] == 4
 
 
 @pytest.mark.parametrize(
