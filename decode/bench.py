@@ -354,9 +354,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             add_breakdown(runs[mode], runners[mode], model, groups, args.max_new_tokens)
     ar = runs.get("ar")
     rows = [runs[m].summary(ar, sampling.greedy) for m in modes]
-    sweep = forward_cost_sweep(
-        model, batch_size, typical_context(groups, args.max_new_tokens), args.forward_costs or []
-    )
+    context = typical_context(groups, args.max_new_tokens)
+    sweep = forward_cost_sweep(model, batch_size, context, args.forward_costs) if args.forward_costs else []
     config = {
         "model": args.model, "prompts": used, "batch_size": batch_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
