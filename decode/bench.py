@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from decode import cli
 from specjax import speculative
-from specjax.calibrate import drafter_seconds, forward_costs, round_breakdown
+from specjax.calibrate import drafter_seconds, forward_costs, forward_seconds, round_breakdown
 from specjax.config import SamplingConfig
 from specjax.drafters import (
     LayerSkipDrafter,
@@ -217,20 +217,14 @@ def typical_context(groups, max_new_tokens: int) -> int:
 
 
 def forward_cost_sweep(model: LoadedModel, batch: int, context: int, token_counts: Sequence[int]) -> list[dict]:
-    """The target forward's median time over T tokens per row, for each T, against one target step (timed once)."""
-    step_s = forward_costs(model.weights, model.cfg, batch, context, 1).step_s
-    rows = []
-    for t in token_counts:
-        seconds = forward_costs(model.weights, model.cfg, batch, context, t).verify_s
-        rows.append({"tokens": t, "ms": 1000 * seconds, "target_steps": seconds / step_s})
-    return rows
+    """The target forward's median time over T tokens per row, for each T, against one target step."""
+    step_s, *times = forward_seconds(model.weights, model.cfg, batch, context, (1, *token_counts))
+    return [{"tokens": t, "ms": 1000 * s, "target_steps": s / step_s} for t, s in zip(token_counts, times)]
 
 
-def add_breakdown(run: ModeRun, runner: Runner, model: LoadedModel, groups, max_new_tokens: int) -> None:
-    """Measures the target's step and verification costs and the drafter's own work at this shape, and splits the
-    mode's rounds with them."""
-    context = typical_context(groups, max_new_tokens)
-    batch = len(groups[0])
+def add_breakdown(run: ModeRun, runner: Runner, model: LoadedModel, batch: int, context: int) -> None:
+    """Measures the target's step and verification costs and the drafter's own work at this shape (`batch` rows,
+    `context` committed tokens), and splits the mode's rounds with them."""
     costs = forward_costs(model.weights, model.cfg, batch, context, runner.verify_tokens)
     drafter_s = drafter_seconds(runner.drafter, model.cfg, batch, context, runner.verified_k, runner.sampling)
     stats = speculative.SpecStats.from_histogram(run.rounds, run.histogram, sum(run.batch_tokens), 1.0)
@@ -349,12 +343,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         for mode in modes
     }
     runs = measure(runners, groups, args.max_new_tokens, args.seed)
+    context = typical_context(groups, args.max_new_tokens)
     for mode in SPECULATIVE_MODES:
         if mode in runs:
-            add_breakdown(runs[mode], runners[mode], model, groups, args.max_new_tokens)
+            add_breakdown(runs[mode], runners[mode], model, len(groups[0]), context)
     ar = runs.get("ar")
     rows = [runs[m].summary(ar, sampling.greedy) for m in modes]
-    context = typical_context(groups, args.max_new_tokens)
     sweep = forward_cost_sweep(model, batch_size, context, args.forward_costs) if args.forward_costs else []
     config = {
         "model": args.model, "prompts": used, "batch_size": batch_size, "max_new_tokens": args.max_new_tokens,

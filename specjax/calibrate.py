@@ -1,6 +1,7 @@
 """Where the time of a speculative round goes, measured: target step, verification, drafting.
 
-`forward_costs` times the target alone (one token, and K+1 tokens against the same cache); `drafter_seconds` times
+`forward_costs` times the target alone (one token, and K+1 tokens against the same cache; `forward_seconds` any
+token counts); `drafter_seconds` times
 the drafter alone (its commit of a round's verified rows, then its proposal); `round_breakdown` turns a speculative
 run's wall time and statistics into the draft cost ratio c and the speedup the model of `specjax.speedup` predicts
 from them, to set beside the measured speedup.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,20 +37,29 @@ class ForwardCosts:
 def forward_costs(
     weights: Weights, cfg: ModelConfig, batch: int, context: int, num_tokens: int, reps: int = 7
 ) -> ForwardCosts:
-    """Median wall times of the target forward over a cache of `context` valid slots.
+    """Median wall times of the target forward over 1 and `num_tokens` tokens per row (see `forward_seconds`).
 
     Args:
       weights: the target weights.
       cfg: the target config.
       batch: rows.
-      context: committed tokens per row (the cache is sized context + num_tokens).
+      context: committed tokens per row.
       num_tokens: the K+1 tokens of a verification.
       reps: timed repetitions (after one warm-up).
     Returns:
       ForwardCosts.
     """
+    step_s, verify_s = forward_seconds(weights, cfg, batch, context, (1, num_tokens), reps)
+    return ForwardCosts(step_s=step_s, verify_s=verify_s)
+
+
+def forward_seconds(
+    weights: Weights, cfg: ModelConfig, batch: int, context: int, token_counts: Sequence[int], reps: int = 7
+) -> list[float]:
+    """Median wall time of the target forward over T tokens per row for each T in `token_counts`, all against one
+    cache of `context` valid slots (sized context + the largest T)."""
     cache = dataclasses.replace(
-        KVCache.empty(cfg, batch, context + num_tokens, weights.embed.dtype),
+        KVCache.empty(cfg, batch, context + max(token_counts), weights.embed.dtype),
         lengths=jnp.full((batch,), context, jnp.int32),
     )
     run = jax.jit(forward, static_argnums=1)
@@ -58,7 +69,7 @@ def forward_costs(
         positions = context + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
         return _median_seconds(lambda: run(weights, cfg, tokens, positions, cache), reps)
 
-    return ForwardCosts(step_s=timed(1), verify_s=timed(num_tokens))
+    return [timed(t) for t in token_counts]
 
 
 def drafter_seconds(
