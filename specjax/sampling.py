@@ -18,16 +18,35 @@ def top_k_mask(logits_bv: jax.Array, k: int) -> jax.Array:
     return jnp.where(logits_bv < kth, NEG_INF, logits_bv)
 
 
+def _order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys with the order of the float32 values (-inf lowest; no NaN)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    flipped = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude, smaller key
+    return jax.lax.bitcast_convert_type(flipped, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
 def top_p_mask(logits_bv: jax.Array, p: float) -> jax.Array:
-    """Keeps the smallest set of most likely tokens whose probability reaches p (nucleus); p = 1 keeps all."""
+    """Keeps the smallest set of most likely tokens whose probability reaches p (nucleus); p = 1 keeps all.
+
+    A token is kept when the tokens strictly more likely than it hold less than p (ties are kept together). The
+    threshold is found without a sort: the mass above a key falls as the key rises, so 32 bisection steps over
+    the float32 values' order-preserving uint32 keys find the lowest kept key exactly, at O(32 V) per row.
+    """
     if p >= 1.0:
         return logits_bv
-    sorted_desc = -jnp.sort(-logits_bv, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < p  # the first token always has mass_before 0
-    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits_bv < threshold, NEG_INF, logits_bv)
+    probs = jax.nn.softmax(logits_bv.astype(jnp.float32), axis=-1)
+    keys = _order_keys(logits_bv)
+    mass_above = lambda k: jnp.sum(jnp.where(keys > k, probs, 0.0), axis=-1, keepdims=True)  # noqa: E731
+
+    def halve(_, bounds):  # invariant: mass_above(lo) >= p > mass_above(hi)
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        below = mass_above(mid) < p
+        return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+    hi = jnp.max(keys, axis=-1, keepdims=True)
+    _, lowest_kept = jax.lax.fori_loop(0, 32, halve, (jnp.zeros_like(hi), hi))
+    return jnp.where(keys < lowest_kept, NEG_INF, logits_bv)
 
 
 def process_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:

@@ -19,6 +19,7 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys):
     bench.main(argv)
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["config"]["prompts"] == 4 and report["config"]["batch_size"] == 1
+    assert report["config"]["prompt_set"] == "given"
     assert report["config"]["num_draft_tokens"] == 3 and report["config"]["draft_layers"] == 1
     rows = {r["mode"]: r for r in report["modes"]}
     assert list(rows) == ["ar", "ngram", "layerskip"]
@@ -66,3 +67,10 @@ def test_bad_bench_input_is_one_line_and_exit_2(flags, needle, capsys):
         bench.entry(["--model", "tiny-random", "--prompt", "Hi", *flags])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_bench_runs_the_chat_set(tmp_path):
+    bench.main(["--model", "tiny-random", "--modes", "ar", "--prompt-set", "chat", "--num-prompts", "2",
+                "--max-new-tokens", "4", "--out-dir", str(tmp_path)])  # fmt: skip
+    config = json.loads((tmp_path / "bench.json").read_text())["config"]
+    assert config["prompt_set"] == "chat" and config["prompts"] == 2

@@ -63,3 +63,17 @@ def test_sampled_frequencies_follow_the_processed_distribution():
 def test_invalid_values_are_refused(kw):
     with pytest.raises(InputError):
         SamplingConfig(**kw)
+
+
+def test_top_p_bisection_matches_a_sorted_nucleus():
+    """The sort-free threshold keeps exactly the tokens a sorted cumulative sum keeps, ties and -inf included."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (64, 1000)).astype(np.float32)
+    logits[:8, ::3] = logits[:8, :1]  # ties with the boundary
+    logits[8:16, 500:] = -np.inf  # masked by top-k before
+    for p in (0.05, 0.5, 0.9, 0.999):
+        got = np.isfinite(np.asarray(top_p_mask(jnp.asarray(logits), p)))
+        probs = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1), np.float64)
+        for row, prob in zip(got, probs):
+            above = np.array([prob[prob > v].sum() for v in prob])  # mass strictly more likely than each token
+            np.testing.assert_array_equal(row, above < p)

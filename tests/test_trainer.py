@@ -214,11 +214,18 @@ def test_smoke_pipeline_exports_a_loadable_head(smoke_run):
     # The standard-library answers follow the regenerated samples; the draft vocabulary counts only the latter.
     manifest = json.loads((out / "data" / "manifest.json").read_text())
     regenerated = load_samples(out / "data", regenerated_only=True)
-    assert len(regenerated) == manifest["samples"] and manifest["source_tokens"] >= 600
+    assert len(regenerated) == manifest["samples"] == 16 and manifest["source_tokens"] >= 600
     assert len(load_samples(out / "data")) == manifest["samples"] + manifest["source_samples"]
     with np.load(out / "vocab.npz") as z:
         d2t, t2d = z["d2t"], z["t2d"]
     assert d2t.shape == (512,) and t2d.sum() == 512
+    by_size = json.loads((out / "vocab.json").read_text())["coverage_by_size"]
+    assert list(by_size) == ["512", "4096", "8192", "16384"]  # the configured size and the reported ones
+    assert all(
+        0 < row["heldout"] <= row_next["heldout"] <= 1
+        for row, row_next in zip(by_size.values(), list(by_size.values())[1:])
+    )
+    assert json.loads((out / "eval.json").read_text())["sets"]["heldout"]["prompts"] == 4
     np.testing.assert_array_equal(np.nonzero(t2d)[0], np.arange(len(d2t)) + d2t)
     target = load_model("tiny-random")
     np.testing.assert_array_equal(draft_vocab(regenerated, target.cfg.vocab_size, 512)[0], d2t)

@@ -1,7 +1,7 @@
 """specjax-train: train an EAGLE-3 draft head for a target model from a YAML config.
 
-  specjax-train --config configs/smollm2-eagle3.yaml [--stages regenerate,vocab,features,train,evaluate,export]
-                [section.key=value ...]
+  specjax-train --config configs/smollm2-eagle3.yaml
+                [--stages synthesize,regenerate,vocab,features,train,evaluate,export] [section.key=value ...]
 
 Every stage resumes where an interrupted run stopped; everything is written under output_dir.
 """

@@ -28,8 +28,37 @@ class ModelSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class SynthesizeSection:
+    """Prompts the target writes itself (train/synthesize.py); the data source `synthetic` reads them."""
+
+    num_prompts: int = 0  # prompts to keep (0: the stage does nothing)
+    domains: tuple[str, ...] = ("code", "math", "reasoning", "writing", "stem", "extraction", "roleplay", "everyday")
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_tokens: int = 96  # a user message longer than this is dropped as truncated
+    min_tokens: int = 6
+    batch_size: int = 64
+    dedup_threshold: float = 0.6  # MinHash Jaccard over word 3-grams above which a prompt is a near-duplicate
+    max_generations: int = 100_000  # give up (one clear error) after this many generations
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class DataSection:
-    prompts: str = "builtin"  # "builtin" (specjax's own prompt set) or a JSONL file of {"prompt": ...}
+    # Prompt sources, in order: "builtin" (specjax's own code prompts), "synthetic" (the synthesize stage's output),
+    # or JSONL files of {"prompt": ...}, ShareGPT {"conversations": [{"from", "value"}]} or {"messages": [{"role",
+    # "content"}]} lines. A single string is one source.
+    prompts: str | tuple[str, ...] = "builtin"
+    store: str | None = None  # the content-addressed store of generated data; None: output_dir/store
+    regenerate: bool = True  # False: train on the files' own assistant turns instead of the target's
+    samples_per_prompt: int = 0  # sampled responses per prompt, beside the greedy one
+    sample_temperature: float = 1.0
+    sample_top_p: float = 0.95
+
+    @property
+    def prompt_sources(self) -> tuple[str, ...]:
+        return (self.prompts,) if isinstance(self.prompts, str) else self.prompts
+
     num_prompts: int = 1024  # training prompts (the held-out ones come on top)
     eval_prompts: int = 16  # held out for the evaluate stage
     max_prompt_tokens: int = 256
@@ -43,6 +72,9 @@ class DataSection:
 @dataclasses.dataclass(frozen=True)
 class TrainingSection:
     steps: int = 1000
+    # When set, steps = ceil(epochs x packed rows / batch_size): runs on nested subsets of the data keep the same
+    # steps per token (the scaling curve).
+    epochs: float | None = None
     batch_size: int = 8  # sequences per step (global, over all devices)
     seq_len: int = 512  # samples are packed into rows of this many tokens (longer ones truncated)
     features: str = "stored"  # target features: "stored" (computed once by the features stage) or "online" (per step)
@@ -55,6 +87,15 @@ class TrainingSection:
     step_decay: float = 0.8  # loss weight of unroll step k is step_decay**k
     seed: int = 0
     stop_after: int | None = None  # end the train stage after this step, keeping the schedule of `steps`
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationSection:
+    """The evaluate stage: greedy chain and tree decoding with the trained head on each set."""
+
+    sets: tuple[str, ...] = ("heldout",)  # from: heldout (data.eval_prompts), chat (specjax's chat set), humaneval
+    num_prompts: int | None = None  # the first N prompts of each set; None: all
+    max_new_tokens: int | None = None  # None: data.max_new_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +129,10 @@ class DistributedSection:
 class TrainConfig:
     output_dir: str = "runs/eagle3"
     model: ModelSection = ModelSection()
+    synthesize: SynthesizeSection = SynthesizeSection()
     data: DataSection = DataSection()
     training: TrainingSection = TrainingSection()
+    evaluation: EvaluationSection = EvaluationSection()
     mesh: MeshSection = MeshSection()
     checkpoint: CheckpointSection = CheckpointSection()
     logging: LoggingSection = LoggingSection()
@@ -102,6 +145,9 @@ class TrainConfig:
             "data.max_new_tokens": self.data.max_new_tokens,
             "data.batch_size": self.data.batch_size,
             "model.draft_vocab_size": self.model.draft_vocab_size,
+            "synthesize.max_tokens": self.synthesize.max_tokens,
+            "synthesize.batch_size": self.synthesize.batch_size,
+            "synthesize.max_generations": self.synthesize.max_generations,
             "training.steps": self.training.steps,
             "training.batch_size": self.training.batch_size,
             "training.seq_len": self.training.seq_len,
@@ -111,12 +157,37 @@ class TrainConfig:
             "logging.every": self.logging.every,
         }
         bad = [f"{k}={v}" for k, v in positive.items() if v < 1]
+        nonnegative = {
+            "synthesize.num_prompts": self.synthesize.num_prompts,
+            "data.samples_per_prompt": self.data.samples_per_prompt,
+            "synthesize.min_tokens": self.synthesize.min_tokens,
+        }
+        bad += [f"{k}={v}" for k, v in nonnegative.items() if v < 0]
         if bad:
-            raise InputError(f"these values must be >= 1: {', '.join(bad)}")
+            raise InputError(
+                f"these values are out of range (counts >= 1, or >= 0 where 0 means none): {', '.join(bad)}"
+            )
+        unknown_sets = sorted(set(self.evaluation.sets) - {"heldout", "chat", "humaneval"})
+        if unknown_sets or not self.evaluation.sets:
+            raise InputError(f"evaluation.sets must name some of heldout, chat, humaneval; got {self.evaluation.sets}")
+        if (self.evaluation.num_prompts or 1) < 1 or (self.evaluation.max_new_tokens or 1) < 1:
+            raise InputError("evaluation.num_prompts and evaluation.max_new_tokens must be >= 1 (or null)")
         if self.data.source_tokens < 0:
             raise InputError(f"data.source_tokens must be >= 0, got {self.data.source_tokens}")
         if self.training.features not in ("stored", "online"):
             raise InputError(f"training.features must be 'stored' or 'online', got {self.training.features!r}")
+        fractions = {
+            "synthesize.temperature": (self.synthesize.temperature, 10.0),
+            "synthesize.top_p": (self.synthesize.top_p, 1.0),
+            "synthesize.dedup_threshold": (self.synthesize.dedup_threshold, 1.0),
+            "data.sample_temperature": (self.data.sample_temperature, 10.0),
+            "data.sample_top_p": (self.data.sample_top_p, 1.0),
+        }
+        bad = [f"{k}={v}" for k, (v, high) in fractions.items() if not 0 < v <= high]
+        if bad:
+            raise InputError(f"these values must be > 0 (at most 1 for top_p and thresholds): {', '.join(bad)}")
+        if self.training.epochs is not None and not self.training.epochs > 0:
+            raise InputError(f"training.epochs must be > 0 (or null), got {self.training.epochs}")
         if self.training.learning_rate <= 0 or not 0 <= self.training.final_lr_ratio <= 1:
             raise InputError("training.learning_rate must be > 0 and training.final_lr_ratio in [0, 1]")
 

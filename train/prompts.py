@@ -111,7 +111,7 @@ def stdlib_stubs(exclude_names: set[str]) -> list[str]:
 
 def humaneval_entry_points() -> set[str]:
     """Names of the HumanEval functions, to keep them out of training."""
-    from decode.bench import humaneval_prompts
+    from specjax.evalsets import humaneval_prompts
 
     return stub_names(humaneval_prompts())
 

@@ -1,5 +1,6 @@
 """The training pipeline's stages, each runnable alone and resumable, all writing under `output_dir`:
 
+synthesize -> prompts/   prompts the target writes itself (kept when they pass the filters), with a manifest
 regenerate -> data/      the target's own responses to the prompts (token arrays + assistant-only loss masks)
 vocab      -> vocab.npz  the draft vocabulary (d2t / t2d) from the frequencies of the tokens the target wrote
 features   -> features/  the packed training rows with the target's features (skipped when training.features=online)
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -25,6 +27,7 @@ from decode.cli import read_prompts_file
 from specjax import speculative
 from specjax.drafters import Eagle3Drafter
 from specjax.errors import InputError
+from specjax.evalsets import chat_prompts, humaneval_prompts
 from specjax.io.eagle3_checkpoint import save_eagle3
 from specjax.io.models import LoadedModel, load_model
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
@@ -32,13 +35,14 @@ from specjax.sharding import make_mesh
 from specjax.tree import TreeSpec
 from train.batches import BatchSource, pack
 from train.config import TrainConfig, config_to_dict
-from train.data import load_prompts, load_samples, regenerate
+from train.data import load_prompts, load_samples, reference_responses, regenerate
 from train.features import compute_features, feature_layers, load_features
 from train.model_card import model_card
+from train.synthesize import synthesize
 from train.trainer import Trainer, checkpoint_manager, restore_latest, train
-from train.vocab import draft_vocab, load_vocab, save_vocab
+from train.vocab import coverage, draft_vocab, load_vocab, save_vocab
 
-STAGES = ("regenerate", "vocab", "features", "train", "evaluate", "export")
+STAGES = ("synthesize", "regenerate", "vocab", "features", "train", "evaluate", "export")
 # Sections that define what a run has already produced: a resumed run must agree on them (training.steps may grow).
 # The training sections bind only once the train stage has started.
 _DATA_SECTIONS = ("model", "data")
@@ -94,8 +98,8 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
 
     Without it these mistakes surfaced only in the train stage, after a regeneration that may take hours.
     """
-    if "regenerate" in stages and cfg.data.prompts != "builtin":
-        load_prompts(cfg.data)  # a missing, malformed or short prompts file
+    if "regenerate" in stages and "synthesize" not in stages:
+        load_prompts(cfg.data, synthetic_path(cfg))  # a missing, malformed or short prompts file
     if {"train", "evaluate", "export"} & set(stages):
         head_config(cfg, model)  # tap layers / vocabulary sizes against the target
         mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
@@ -107,16 +111,56 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
             )
 
 
+def store_root(cfg: TrainConfig) -> Path:
+    return Path(cfg.data.store) if cfg.data.store else cfg.output_path / "store"
+
+
+def synthetic_path(cfg: TrainConfig) -> Path:
+    return cfg.output_path / "prompts" / "synthetic.jsonl"
+
+
+def evaluation_prompts() -> list[str]:
+    """Prompts that training data must never resemble: HumanEval and the chat set (the held-out prompts are kept
+    apart by the regenerate stage)."""
+    return humaneval_prompts() + chat_prompts()
+
+
+def stage_synthesize(cfg: TrainConfig, model: LoadedModel) -> None:
+    if cfg.synthesize.num_prompts == 0:
+        print("skipped: synthesize.num_prompts is 0", file=sys.stderr)
+        return
+    synthesize(model, cfg.synthesize, store_root(cfg), synthetic_path(cfg).parent, evaluation_prompts())
+
+
 def stage_regenerate(cfg: TrainConfig, model: LoadedModel) -> None:
-    regenerate(model, cfg.data, cfg.output_path / "data")
+    regenerate(model, cfg.data, cfg.output_path / "data", store_root(cfg), evaluation_prompts())
+
+
+VOCAB_SIZES = (4096, 8192, 16384)  # the sizes whose coverage the vocab stage reports beside the configured one
 
 
 def stage_vocab(cfg: TrainConfig, model: LoadedModel) -> None:
+    """The draft vocabulary, and the share of the target's tokens it covers, for several sizes: on the training
+    responses, and on the target's greedy responses to each evaluation set (which never enter the counts)."""
     samples = load_samples(cfg.output_path / "data", regenerated_only=True)
-    d2t, t2d, coverage = draft_vocab(samples, model.cfg.vocab_size, cfg.model.draft_vocab_size)
+    d2t, t2d, covered = draft_vocab(samples, model.cfg.vocab_size, cfg.model.draft_vocab_size)
     save_vocab(cfg.output_path / "vocab.npz", d2t, t2d)
-    (cfg.output_path / "vocab.json").write_text(json.dumps({"draft_vocab_size": len(d2t), "coverage": coverage}))
-    print(f"draft vocabulary: {len(d2t)} tokens cover {coverage:.2%} of the tokens the target wrote", file=sys.stderr)
+    max_new = cfg.evaluation.max_new_tokens or cfg.data.max_new_tokens
+    data = dataclasses.replace(cfg.data, max_new_tokens=max_new, max_prompt_tokens=model.cfg.max_position_embeddings)
+    held_out = {
+        name: reference_responses(model, evaluation_set(cfg, name)[: cfg.evaluation.num_prompts], data, store_root(cfg))
+        for name in cfg.evaluation.sets
+    }
+    by_size = {}
+    for size in sorted({*VOCAB_SIZES, cfg.model.draft_vocab_size}):
+        size_t2d = draft_vocab(samples, model.cfg.vocab_size, min(size, model.cfg.vocab_size))[1]
+        by_size[size] = {"training": coverage(samples, size_t2d)}
+        by_size[size].update({name: coverage(s, size_t2d) for name, s in held_out.items()})
+    report = {"draft_vocab_size": len(d2t), "coverage": covered, "coverage_by_size": by_size}
+    (cfg.output_path / "vocab.json").write_text(json.dumps(report, indent=1))
+    print(f"draft vocabulary: {len(d2t)} tokens cover {covered:.2%} of the tokens the target wrote", file=sys.stderr)
+    for size, row in by_size.items():
+        print(f"  {size:>6}: " + ", ".join(f"{k} {v:.2%}" for k, v in row.items()), file=sys.stderr)
 
 
 def packed_rows(cfg: TrainConfig) -> dict:
@@ -144,12 +188,17 @@ def build_trainer(cfg: TrainConfig, model: LoadedModel) -> Trainer:
 
 
 def stage_train(cfg: TrainConfig, model: LoadedModel) -> None:
-    trainer = build_trainer(cfg, model)
     t = cfg.training
     if t.features == "stored":
-        rows = load_features(cfg.output_path / "features", trainer.feature_layers, t.seq_len)
+        layers = feature_layers(head_config(cfg, model).tap_layers, model.cfg)
+        rows = load_features(cfg.output_path / "features", layers, t.seq_len)
     else:
         rows = packed_rows(cfg)
+    if t.epochs is not None:
+        steps = max(1, math.ceil(t.epochs * len(rows["tokens"]) / t.batch_size))
+        print(f"training.epochs={t.epochs}: {steps} steps over {len(rows['tokens'])} rows", file=sys.stderr)
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(t, steps=steps))
+    trainer = build_trainer(cfg, model)
     train(trainer, BatchSource(rows, t.batch_size, t.seed), cfg.output_path / "train", stop_after=t.stop_after)
 
 
@@ -157,9 +206,15 @@ EVAL_DRAFT_TOKENS = 5
 EVAL_TREE = "5,4,24"  # depth, top-k, budget
 
 
+def evaluation_set(cfg: TrainConfig, name: str) -> list[str]:
+    if name == "heldout":
+        return read_prompts_file(cfg.output_path / "data" / "eval_prompts.jsonl")
+    return chat_prompts() if name == "chat" else humaneval_prompts()
+
+
 def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
-    """Mean accepted length (tokens per target forward, bonus included) of the latest checkpoint on the held-out
-    prompts, by greedy speculative decoding with chain (K = 5) and tree drafting; written to eval.json."""
+    """Mean accepted length (tokens per target forward, bonus included) of the latest checkpoint on each evaluation
+    set, by greedy speculative decoding with chain (K = 5) and tree drafting; written to eval.json."""
     trainer = build_trainer(cfg, model)
     manager = checkpoint_manager(trainer, cfg.output_path / "train")
     state = restore_latest(trainer, manager)
@@ -167,28 +222,32 @@ def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
     if int(state["step"]) == 0:
         raise InputError(f"{cfg.output_dir}/train holds no checkpoint; run the train stage first")
     head = trainer.export_head(state)
-    prompts = read_prompts_file(cfg.output_path / "data" / "eval_prompts.jsonl")
-    ids = [model.tokenizer.chat_prompt_ids(p) for p in prompts]
     eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(model.tokenizer.eos_token_ids)))
-    report = {"step": int(state["step"]), "prompts": len(ids), "max_new_tokens": cfg.data.max_new_tokens}
-    for name, tree in (("chain", None), ("tree", TreeSpec.parse(EVAL_TREE))):
-        drafter = Eagle3Drafter.create(head, model.weights.embed, tree)
-        k = tree.depth if tree else EVAL_DRAFT_TOKENS
-        hist = None
-        for prompt in tqdm(ids, desc=f"evaluate {name}", file=sys.stderr):
-            out = speculative.generate(
-                model.weights, model.cfg, [prompt], drafter=drafter, num_draft_tokens=k,
-                max_new_tokens=cfg.data.max_new_tokens, eos_ids=eos,
-            )  # fmt: skip
-            h = out.stats.accepted_histogram
-            hist = h if hist is None else [a + b for a, b in zip(hist, h)]
-        stats = speculative.SpecStats.from_histogram(sum(hist), hist, 0, 1.0)
-        report[name] = {
-            "drafts": f"K={k}" if tree is None else f"tree {EVAL_TREE}",
-            "mean_accepted": stats.mean_accepted,
-            "acceptance_by_position": stats.acceptance_by_position,
-        }
-        print(f"{name}: mean accepted length {stats.mean_accepted:.2f}", file=sys.stderr)
+    max_new = cfg.evaluation.max_new_tokens or cfg.data.max_new_tokens
+    report = {"step": int(state["step"]), "max_new_tokens": max_new, "sets": {}}
+    for set_name in cfg.evaluation.sets:
+        prompts = evaluation_set(cfg, set_name)[: cfg.evaluation.num_prompts]
+        ids = [model.tokenizer.chat_prompt_ids(p) for p in prompts]
+        result = {"prompts": len(ids)}
+        for name, tree in (("chain", None), ("tree", TreeSpec.parse(EVAL_TREE))):
+            drafter = Eagle3Drafter.create(head, model.weights.embed, tree)
+            k = tree.depth if tree else EVAL_DRAFT_TOKENS
+            hist = None
+            for prompt in tqdm(ids, desc=f"evaluate {set_name} {name}", file=sys.stderr):
+                out = speculative.generate(
+                    model.weights, model.cfg, [prompt], drafter=drafter, num_draft_tokens=k, max_new_tokens=max_new,
+                    eos_ids=eos,
+                )  # fmt: skip
+                h = out.stats.accepted_histogram
+                hist = h if hist is None else [a + b for a, b in zip(hist, h)]
+            stats = speculative.SpecStats.from_histogram(sum(hist), hist, 0, 1.0)
+            result[name] = {
+                "drafts": f"K={k}" if tree is None else f"tree {EVAL_TREE}",
+                "mean_accepted": stats.mean_accepted,
+                "acceptance_by_position": stats.acceptance_by_position,
+            }
+            print(f"{set_name} {name}: mean accepted length {stats.mean_accepted:.2f}", file=sys.stderr)
+        report["sets"][set_name] = result
     if jax.process_index() == 0:
         (cfg.output_path / "eval.json").write_text(json.dumps(report, indent=1))
     return report
@@ -212,7 +271,9 @@ def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
         vocab = out / "vocab.json"
         coverage = json.loads(vocab.read_text())["coverage"] if vocab.exists() else None
         evaluation = json.loads((out / "eval.json").read_text()) if (out / "eval.json").exists() else None
-        (folder / "README.md").write_text(model_card(cfg, head.cfg, manifest, coverage, evaluation))
+        synth = out / "prompts" / "manifest.json"
+        synthetic = json.loads(synth.read_text()) if synth.exists() else None
+        (folder / "README.md").write_text(model_card(cfg, head.cfg, manifest, synthetic, coverage, evaluation))
     return folder
 
 
@@ -234,6 +295,7 @@ def run(cfg: TrainConfig, stages: list[str]) -> None:
 
 
 STAGE_FUNCTIONS = {
+    "synthesize": stage_synthesize,
     "regenerate": stage_regenerate,
     "vocab": stage_vocab,
     "features": stage_features,

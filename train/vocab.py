@@ -40,6 +40,15 @@ def draft_vocab(samples: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: in
     return d2t, t2d, float(coverage)
 
 
+def coverage(samples: Iterable[tuple[np.ndarray, np.ndarray]], t2d: np.ndarray) -> float:
+    """The share of assistant tokens (loss_mask == 1) that a draft vocabulary (`t2d`) holds."""
+    hits = total = 0
+    for tokens, mask in samples:
+        written = tokens[mask.astype(bool)]
+        hits, total = hits + int(t2d[written].sum()), total + len(written)
+    return hits / max(total, 1)
+
+
 def save_vocab(path: Path, d2t: np.ndarray, t2d: np.ndarray) -> None:
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, d2t=d2t, t2d=t2d)

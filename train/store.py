@@ -1,0 +1,60 @@
+"""A content-addressed store of generated data: one file per unit of work, named by the hash of everything that
+determines its content (the target, the inputs, the generation settings).
+
+A run skips every unit whose file exists, so an interrupted run resumes where it stopped, a larger run reuses the
+units of a smaller one, and a store committed beside a config lets a later run retrain without generating again.
+Files are written atomically (temporary file, then rename): a killed run never leaves a partial unit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specjax.io.models import LoadedModel
+
+
+def content_key(fields: dict[str, Any]) -> str:
+    """A short hash of a JSON-able description of a unit of work."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def target_fingerprint(model: LoadedModel) -> str:
+    """Identifies the target's weights: its config and the bytes of a slice of its embedding table."""
+    sample = np.asarray(model.weights.embed[:64], np.float32).tobytes()
+    return hashlib.sha256(json.dumps(model.cfg.to_hf(), sort_keys=True).encode() + sample).hexdigest()[:20]
+
+
+class Store:
+    """Files of one kind of unit (`synth` prompts, `responses` token shards) under a root folder."""
+
+    def __init__(self, root: Path, kind: str, suffix: str):
+        self.folder = Path(root) / kind
+        self.suffix = suffix
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key}{self.suffix}"
+
+    def has(self, key: str) -> bool:
+        return self.path(key).exists()
+
+    def write_text(self, key: str, text: str) -> None:
+        self._atomic(key, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+    def write_arrays(self, key: str, **arrays: np.ndarray) -> None:
+        def save(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                np.savez_compressed(f, **arrays)
+
+        self._atomic(key, save)
+
+    def _atomic(self, key: str, write) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{key}.{os.getpid()}.tmp"
+        write(tmp)
+        os.replace(tmp, self.path(key))
