@@ -6,7 +6,6 @@ Modes: `ar` (specjax autoregressive) and, where the `dev` extra (transformers + 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -263,17 +262,6 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def token_counts(text: str) -> list[int]:
-    """--forward-costs: comma-separated positive integers."""
-    try:
-        counts = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"token counts must be >= 1, got {text!r}")
-    return counts
-
-
 def parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="specjax-bench", description=__doc__)
     cli.add_model_args(p, batch_default="1")
@@ -297,7 +285,7 @@ def parser() -> cli.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument(
-        "--forward-costs", type=token_counts, default=None, metavar="T,T,...",
+        "--forward-costs", type=cli.positive_ints, default=None, metavar="T,T,...",
         help="also time the target forward over T tokens per row (e.g. 1,5,9,16), against one step",
     )  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=Path("bench_out"), help="where the JSON, table and plot go")

@@ -57,25 +57,34 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
     return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
-def read_prompts_file(path: Path) -> list[str]:
-    """Prompts from a JSONL file: one object per line with a "prompt" string; other fields are ignored."""
+def read_jsonl(path: Path) -> list[tuple[int, object]]:
+    """(line number, parsed object) for every non-blank line; one clear InputError for an unreadable file, text that
+    is not UTF-8, or a line that is not JSON."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise InputError(f"cannot read prompts file {str(path)!r}: {e.strerror}") from None
-    prompts = []
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text (byte {e.start})") from None
+    records = []
     for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        if line.strip():
+            try:
+                records.append((number, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+    if not records:
+        raise InputError(f"{path} holds no prompts")
+    return records
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    """Prompts from a JSONL file: one object per line with a "prompt" string; other fields are ignored."""
+    prompts = []
+    for number, record in read_jsonl(path):
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise InputError(f'{path}:{number}: expected an object with a "prompt" string')
         prompts.append(record["prompt"])
-    if not prompts:
-        raise InputError(f"{path} holds no prompts")
     return prompts
 
 
@@ -95,6 +104,17 @@ def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], raw: bool) -> l
 
 def batches(items: Sequence, size: int) -> list[Sequence]:
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
 
 
 def check_positive(name: str, value: int | None) -> None:

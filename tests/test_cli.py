@@ -112,6 +112,13 @@ BAD = {
         )[1],
         "prompt",
     ),
+    "prompts file not UTF-8": (
+        lambda tmp, tiny: (
+            tmp.joinpath("p.jsonl").write_bytes(b"\xff\xfe\n"),
+            ["--model", str(tiny), "--prompts-file", str(tmp / "p.jsonl")],
+        )[1],
+        "not UTF-8",
+    ),
     "zero new tokens": (lambda tmp, tiny: ["--model", str(tiny), "--max-new-tokens", "0"], "max-new-tokens"),
     "unknown flag": (lambda tmp, tiny: ["--model", str(tiny), "--frobnicate"], "frobnicate"),
 }

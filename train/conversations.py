@@ -11,9 +11,9 @@ far, or, with `data.regenerate: false`, the file's own assistant turns are train
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from decode.cli import read_jsonl
 from specjax.errors import InputError
 from train.prompts import builtin_prompts
 
@@ -50,24 +50,7 @@ def _messages(record: object, where: str) -> Conversation:
 
 def read_conversations(path: Path) -> list[Conversation]:
     """The conversations of a JSONL file, with one clear error (file:line) for the first malformed line."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise InputError(f"cannot read prompts file {str(path)!r}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path} is not UTF-8 text (byte {e.start})") from None
-    conversations = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-        conversations.append(_messages(record, f"{path}:{number}"))
-    if not conversations:
-        raise InputError(f"{path} holds no prompts")
-    return conversations
+    return [_messages(record, f"{path}:{number}") for number, record in read_jsonl(path)]
 
 
 def source_conversations(source: str, seed: int, synthetic_path: Path) -> list[Conversation]:
