@@ -217,3 +217,12 @@ def test_epochs_set_the_steps_from_the_packed_rows(monkeypatch, tiny):
     monkeypatch.setattr(run, "train", lambda *a, **k: None)
     run.stage_train(load_config(None, ["training.epochs=2.5", "training.batch_size=4"]), tiny)
     assert seen["steps"] == 32  # ceil(2.5 x 50 rows / 4)
+
+
+def test_a_cut_reply_ends_its_conversation(tiny):
+    data = load_config(None, ["data.max_prompt_tokens=512"]).data
+    cut = lambda prompts, sampling, seed: [(tiny.tokenizer.encode("and so on"), True) for _ in prompts]  # noqa: E731
+    samples, counts = data_module.respond(tiny, [read_conversations_from(SHAREGPT)], data, None, seed=0, reply=cut)
+    ((ids, mask),) = samples
+    assert tiny.tokenizer.decode(ids[mask == 1].tolist()) == "and so on"  # the second user turn never came
+    assert counts == {"reply cut at max_new_tokens": 1, "conversation cut: reply at max_new_tokens": 1}

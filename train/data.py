@@ -172,10 +172,12 @@ def respond(
         for i, (ids, cut, text) in replies.items():
             if not builders[i].add_turn(prompts[i], list(ids), text):
                 counts["earlier turns re-tokenized"] += 1
-            if cut:
-                counts["conversation cut: reply at max_new_tokens"] += int(bool(builders[i].pending))
-            else:
+            if not cut:
                 active.append(i)
+                continue
+            counts["reply cut at max_new_tokens"] += 1
+            if any(m["role"] == "user" for m in builders[i].pending):
+                counts["conversation cut: reply at max_new_tokens"] += 1
         turn += 1
     samples = [(np.asarray(b.ids, np.int32), np.asarray(b.mask, np.int8)) for b in builders if any(b.mask)]
     return samples, counts
