@@ -274,6 +274,7 @@ def _snapshot(folder: Path) -> dict:
         (["mesh.data=-1", "mesh.fsdp=2"], r"does not divide the 1 available devices"),
         (["mesh.data=2"], r"needs 2 devices, but 1 are available"),
         (["model.tap_layers=[1, 2, 9]"], r"tap layers \[1, 2, 9\] must be .* 0\.\.3"),
+        (["--stages", "regenerate,vocab", "model.tap_layers=[0, 7]"], r"tap layers \[0, 7\] must be .* 0\.\.3"),
         (["training.learning_rate=0.1"], r"holds a run made with different training settings"),
         (["--stages", "train,evalute"], r"unknown stage"),
     ],
@@ -284,6 +285,7 @@ def _snapshot(folder: Path) -> dict:
         "mesh-indivisible",
         "mesh-too-big",
         "tap-layers",
+        "tap-layers-before-regenerate",
         "other-config",
         "unavailable-stage",
     ],  # fmt: skip

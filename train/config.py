@@ -139,61 +139,58 @@ class TrainConfig:
     distributed: DistributedSection = DistributedSection()
 
     def __post_init__(self):
-        positive = {
-            "data.num_prompts": self.data.num_prompts,
-            "data.max_prompt_tokens": self.data.max_prompt_tokens,
-            "data.max_new_tokens": self.data.max_new_tokens,
-            "data.batch_size": self.data.batch_size,
-            "model.draft_vocab_size": self.model.draft_vocab_size,
-            "synthesize.max_tokens": self.synthesize.max_tokens,
-            "synthesize.batch_size": self.synthesize.batch_size,
-            "synthesize.max_generations": self.synthesize.max_generations,
-            "training.steps": self.training.steps,
-            "training.batch_size": self.training.batch_size,
-            "training.seq_len": self.training.seq_len,
-            "training.ttt_length": self.training.ttt_length,
-            "checkpoint.every": self.checkpoint.every,
-            "checkpoint.keep": self.checkpoint.keep,
-            "logging.every": self.logging.every,
-        }
-        bad = [f"{k}={v}" for k, v in positive.items() if v < 1]
-        nonnegative = {
-            "synthesize.num_prompts": self.synthesize.num_prompts,
-            "data.samples_per_prompt": self.data.samples_per_prompt,
-            "synthesize.min_tokens": self.synthesize.min_tokens,
-        }
-        bad += [f"{k}={v}" for k, v in nonnegative.items() if v < 0]
+        bad = [
+            f"{key}={value} (must be {rule})"
+            for rule, keys in _RANGES.items()
+            for key in keys
+            if (value := self.get(key)) is not None and not _RULES[rule](value)
+        ]
         if bad:
-            raise InputError(
-                f"these values are out of range (counts >= 1, or >= 0 where 0 means none): {', '.join(bad)}"
-            )
+            raise InputError(f"out of range: {'; '.join(bad)}")
         unknown_sets = sorted(set(self.evaluation.sets) - {"heldout", "chat", "humaneval"})
         if unknown_sets or not self.evaluation.sets:
             raise InputError(f"evaluation.sets must name some of heldout, chat, humaneval; got {self.evaluation.sets}")
-        if (self.evaluation.num_prompts or 1) < 1 or (self.evaluation.max_new_tokens or 1) < 1:
-            raise InputError("evaluation.num_prompts and evaluation.max_new_tokens must be >= 1 (or null)")
-        if self.data.source_tokens < 0:
-            raise InputError(f"data.source_tokens must be >= 0, got {self.data.source_tokens}")
         if self.training.features not in ("stored", "online"):
             raise InputError(f"training.features must be 'stored' or 'online', got {self.training.features!r}")
-        fractions = {
-            "synthesize.temperature": (self.synthesize.temperature, 10.0),
-            "synthesize.top_p": (self.synthesize.top_p, 1.0),
-            "synthesize.dedup_threshold": (self.synthesize.dedup_threshold, 1.0),
-            "data.sample_temperature": (self.data.sample_temperature, 10.0),
-            "data.sample_top_p": (self.data.sample_top_p, 1.0),
-        }
-        bad = [f"{k}={v}" for k, (v, high) in fractions.items() if not 0 < v <= high]
-        if bad:
-            raise InputError(f"these values must be > 0 (at most 1 for top_p and thresholds): {', '.join(bad)}")
-        if self.training.epochs is not None and not self.training.epochs > 0:
-            raise InputError(f"training.epochs must be > 0 (or null), got {self.training.epochs}")
-        if self.training.learning_rate <= 0 or not 0 <= self.training.final_lr_ratio <= 1:
-            raise InputError("training.learning_rate must be > 0 and training.final_lr_ratio in [0, 1]")
+
+    def get(self, key: str) -> Any:
+        """The value of a dotted key, e.g. "training.learning_rate"."""
+        node = self
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
 
     @property
     def output_path(self) -> Path:
         return Path(self.output_dir)
+
+
+# Every numeric key and its range (None is allowed where the key is optional). NaN fails every rule.
+_RULES = {
+    ">= 1": lambda v: v >= 1,
+    ">= 0": lambda v: v >= 0,
+    "> 0": lambda v: v > 0,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+}
+_RANGES = {
+    ">= 1": (
+        "data.num_prompts", "data.max_prompt_tokens", "data.max_new_tokens", "data.batch_size",
+        "model.draft_vocab_size", "synthesize.max_tokens", "synthesize.batch_size", "synthesize.max_generations",
+        "training.steps", "training.batch_size", "training.seq_len", "training.ttt_length", "training.stop_after",
+        "evaluation.num_prompts", "evaluation.max_new_tokens", "checkpoint.every", "checkpoint.keep", "logging.every",
+    ),
+    ">= 0": (
+        "synthesize.num_prompts", "synthesize.min_tokens", "data.eval_prompts", "data.samples_per_prompt",
+        "data.source_tokens", "training.warmup_steps", "training.weight_decay",
+    ),
+    "> 0": (
+        "synthesize.temperature", "data.sample_temperature", "training.learning_rate", "training.grad_clip",
+        "training.epochs",
+    ),
+    "in (0, 1]": ("synthesize.top_p", "synthesize.dedup_threshold", "data.sample_top_p", "training.step_decay"),
+    "in [0, 1]": ("training.final_lr_ratio",),
+}  # fmt: skip
 
 
 def _check_type(value: Any, hint: Any, where: str) -> Any:

@@ -100,8 +100,8 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
     """
     if "regenerate" in stages and "synthesize" not in stages:
         load_prompts(cfg.data, synthetic_path(cfg))  # a missing, malformed or short prompts file
+    head_config(cfg, model)  # tap layers / vocabulary sizes against the target, before any stage runs
     if {"train", "evaluate", "export"} & set(stages):
-        head_config(cfg, model)  # tap layers / vocabulary sizes against the target
         mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
         replicas = mesh.shape["data"] * mesh.shape["fsdp"]
         if cfg.training.batch_size % replicas:
