@@ -189,6 +189,10 @@ def prepare_batch(
         raise InputError(f"{len(prompts)} prompts do not fit in a batch of {batch}")
     eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
     tokens, lengths = pack_prompts(prompts, batch)
+    ids = np.concatenate([np.asarray(p, np.int64) for p in prompts])
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        bad = int(ids[(ids < 0) | (ids >= cfg.vocab_size)][0])
+        raise InputError(f"token id {bad} is outside the model's vocabulary 0..{cfg.vocab_size - 1}")
     longest = int(lengths.max())
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise InputError(

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from specjax import generate as gen
+from specjax import speculative
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.drafters import NgramDrafter
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
@@ -83,6 +85,10 @@ def test_bad_input():
         gen.generate(WEIGHTS, CFG, [[]], max_new_tokens=4)
     with pytest.raises(InputError, match="max_new_tokens"):
         gen.generate(WEIGHTS, CFG, [[2]], max_new_tokens=0)
+    with pytest.raises(InputError, match=f"token id {10**7} is outside the model's vocabulary 0..{CFG.vocab_size - 1}"):
+        gen.generate(WEIGHTS, CFG, [[2], [10**7]], max_new_tokens=4)
+    with pytest.raises(InputError, match="token id -1 is outside"):
+        speculative.generate(WEIGHTS, CFG, [[-1]], drafter=NgramDrafter(2), num_draft_tokens=2, max_new_tokens=4)
 
 
 def test_pack_prompts_buckets_to_multiples_of_64():
