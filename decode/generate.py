@@ -68,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     drafter, verified = with_lookup_tokens(drafter, args.num_draft_tokens, args.lookup_tokens)
     if drafter is not None:
         speculative.check_inputs(model.cfg, drafter, verified)
-    batch_size = args.batch_size or (min(args.num_samples, 64) if args.num_samples > 1 else min(len(prompts), 8))
+    default_batch = min(args.num_samples, 64) if args.num_samples > 1 else 8
+    batch_size = min(args.batch_size or default_batch, len(prompts))  # a larger batch would decode padding rows
 
     results = []
     for start, group in zip(range(0, len(prompts), batch_size), cli.batches(prompt_ids, batch_size)):

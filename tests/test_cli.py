@@ -133,6 +133,13 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_folder, tmp_path, capsys):
     assert err.startswith("specjax-generate: error:") and needle.lower() in err.lower(), err
 
 
+def test_the_batch_is_capped_at_the_number_of_prompts(tiny_folder, tmp_path):
+    entry(["--model", str(tiny_folder), "--batch-size", "1000", "--prompt", "a", "--prompt", "b",
+           "--max-new-tokens", "4", "--json", str(tmp_path / "out.json")])  # fmt: skip
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["config"]["batch_size"] == 2 and len(report["results"]) == 2
+
+
 def test_outputs_are_reproducible_with_a_seed(tiny_folder, tmp_path):
     runs = []
     for name in ("a", "b", "c"):
