@@ -275,6 +275,18 @@ def test_inconsistent_vocab_buffers_and_bad_variants_are_refused(tmp_path):
             Eagle3Config.from_hf({**cfg.to_hf(), **flag}, TARGET)
 
 
+def test_a_head_with_nan_weights_is_refused(tmp_path):
+    cfg = small_cfg()
+    hf = {k: np.asarray(v) for k, v in head_to_hf(small_head(cfg)).items()}
+    hf["fc.weight"] = hf["fc.weight"].copy()
+    hf["fc.weight"][3, 2] = np.nan
+    safetensors.numpy.save_file(hf, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    with pytest.raises(CheckpointError, match="fc.weight holds NaN or infinite values") as err:
+        load_eagle3(tmp_path, TARGET)
+    assert "\n" not in str(err.value)
+
+
 def test_pickled_weights_are_refused_with_a_conversion_hint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(small_cfg().to_hf()))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")

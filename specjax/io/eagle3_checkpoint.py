@@ -283,6 +283,8 @@ def load_eagle3(
     with open_tensors(folder) as get:
         for key, param in HF_TO_PARAM.items():
             w = np.asarray(readers[key](get), np.float32)
+            if not np.isfinite(w).all():
+                raise CheckpointError(f"{folder}: {key} holds NaN or infinite values; the head is corrupt, retrain it")
             weights[param] = jnp.asarray(_param_from_torch_layout(param, w, cfg), dtype)  # one tensor at a time
         if "d2t" in readers:
             d2t = np.asarray(readers["d2t"](get)).astype(np.int64)
