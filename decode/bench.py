@@ -307,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     prompt_set = "given" if given else args.prompt_set
     prompts = given or (humaneval_prompts() if args.prompt_set == "humaneval" else chat_prompts())
     prompts = prompts[: args.num_prompts]
+    cli.check_output_dir(args.out_dir)
+    json_path = cli.check_output_file(args.json_out or args.out_dir / "bench.json")
+    plot_path = cli.check_output_file(args.plot or args.out_dir / "bench.png")
     model = load_model(args.model)
     ids = cli.encode_prompts(model.tokenizer, prompts, args.raw)
     eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(model.tokenizer.eos_token_ids)))
@@ -341,22 +344,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         "num_draft_tokens": args.num_draft_tokens, "ngram": args.ngram, "lookup_tokens": args.lookup_tokens,
         "draft_layers": args.draft_layers, "eagle3": args.eagle3, "tree": args.tree or DEFAULT_TREE,
     }  # fmt: skip
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = args.json_out or args.out_dir / "bench.json"
-    plot_path = args.plot or args.out_dir / "bench.png"
     table = markdown_table(rows)
     if sweep:
         table += "\n| tokens per row | forward (ms, median) | target steps |\n|---:|---:|---:|\n"
         table += "".join(f"| {r['tokens']} | {r['ms']:.1f} | {r['target_steps']:.2f} |\n" for r in sweep)
-    json_path.write_text(
-        json.dumps({"config": config, "modes": rows, **({"forward_costs": sweep} if sweep else {})}, indent=1)
-    )
-    (args.out_dir / "bench.md").write_text(table)
+    with cli.atomic_output(json_path) as tmp:
+        tmp.write_text(
+            json.dumps({"config": config, "modes": rows, **({"forward_costs": sweep} if sweep else {})}, indent=1)
+        )
+    with cli.atomic_output(args.out_dir / "bench.md") as tmp:
+        tmp.write_text(table)
     title = (
         f"{args.model}, {used} {prompt_set} prompts, batch {batch_size}, {args.max_new_tokens} new tokens, "
         f"T={args.temperature}"
     )
-    plot(rows, plot_path, title)
+    with cli.atomic_output(plot_path) as tmp:
+        plot(rows, tmp, title)
     print(table)
     print(f"wrote {json_path}, {args.out_dir / 'bench.md'}, {plot_path}", file=sys.stderr)
 

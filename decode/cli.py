@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -104,6 +106,39 @@ def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], raw: bool) -> l
 
 def batches(items: Sequence, size: int) -> list[Sequence]:
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def check_output_file(path: str | Path) -> Path:
+    """An output file that can be written: not a folder, in a folder that exists (or can be made) and is writable.
+    Checked before any work, so a bad path never loses results."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path} is a folder; give a file name for the output")
+    check_output_dir(path.parent)
+    return path
+
+
+def check_output_dir(folder: Path) -> Path:
+    """Makes `folder` if needed and checks that files can be written in it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"cannot create the output folder {str(folder)!r}: {e.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"cannot write in the output folder {str(folder)!r}: permission denied")
+    return folder
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path):
+    """Yields a temporary path beside `path`; renames it to `path` when the block ends without an error, so a
+    reader never sees a partial file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def positive_ints(text: str) -> list[int]:

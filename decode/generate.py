@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli.check_positive("--max-new-tokens", args.max_new_tokens)
     cli.check_positive("--batch-size", args.batch_size)
     cli.check_positive("--num-samples", args.num_samples)
+    json_out = cli.check_output_file(args.json_out) if args.json_out else None
     prompts = cli.gather_prompts(args, default=[DEFAULT_PROMPT])
     tree = TreeSpec.parse(args.tree) if args.tree is not None else None
     model = load_model(args.model)
@@ -130,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         f"[autoregressive, same prompt and run: {s['ar_tokens_per_s']:.1f} tok/s; speedup "
                         f"{s['speedup_vs_ar']:.2f}x{same[s.get('identical_to_ar')]}]"
                     )
-    if args.json_out:
+    if json_out:
         config = {
             "model": args.model,
             "source": model.source,
@@ -147,9 +148,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             "tree": args.tree,
             "num_samples": args.num_samples,
         }
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump({"config": config, "results": results}, f, indent=1, ensure_ascii=False)
-        print(f"wrote {len(results)} results to {args.json_out}", file=sys.stderr)
+        with cli.atomic_output(json_out) as tmp:
+            tmp.write_text(json.dumps({"config": config, "results": results}, indent=1, ensure_ascii=False), "utf-8")
+        print(f"wrote {len(results)} results to {json_out}", file=sys.stderr)
 
 
 def entry(argv: Sequence[str] | None = None) -> None:

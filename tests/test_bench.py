@@ -74,3 +74,11 @@ def test_bench_runs_the_chat_set(tmp_path):
                 "--max-new-tokens", "4", "--out-dir", str(tmp_path)])  # fmt: skip
     config = json.loads((tmp_path / "bench.json").read_text())["config"]
     assert config["prompt_set"] == "chat" and config["prompts"] == 2
+
+
+def test_an_unwritable_output_is_refused_before_any_work(monkeypatch):
+    from specjax.errors import InputError
+
+    monkeypatch.setattr(bench, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(InputError, match="cannot create the output folder '/proc/specjax'"):
+        bench.main(["--model", "tiny-random", "--modes", "ar", "--out-dir", "/proc/specjax"])

@@ -119,6 +119,11 @@ BAD = {
         )[1],
         "not UTF-8",
     ),
+    "json output is a folder": (lambda tmp, tiny: ["--model", str(tiny), "--json", str(tmp)], "is a folder"),
+    "json output unwritable": (
+        lambda tmp, tiny: ["--model", str(tiny), "--json", "/proc/specjax/out.json"],
+        "cannot create the output folder",
+    ),
     "zero new tokens": (lambda tmp, tiny: ["--model", str(tiny), "--max-new-tokens", "0"], "max-new-tokens"),
     "unknown flag": (lambda tmp, tiny: ["--model", str(tiny), "--frobnicate"], "frobnicate"),
 }
