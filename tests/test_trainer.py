@@ -265,6 +265,19 @@ def _snapshot(folder: Path) -> dict:
     }
 
 
+def test_a_second_run_on_the_same_output_dir_is_refused(smoke_run, capsys):
+    from train.run import exclusive_output_dir
+
+    with exclusive_output_dir(smoke_run):  # another run holds the folder
+        with pytest.raises(SystemExit) as exit_info:
+            entry(["--config", str(SMOKE), f"output_dir={smoke_run}", "--stages", "export"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(
+        rf"{smoke_run} is in use by another specjax-train run \(pid {os.getpid()} on ", err[0]
+    )
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -277,6 +290,8 @@ def _snapshot(folder: Path) -> dict:
         (["--stages", "regenerate,vocab", "model.tap_layers=[0, 7]"], r"tap layers \[0, 7\] must be .* 0\.\.3"),
         (["training.learning_rate=0.1"], r"holds a run made with different training settings"),
         (["--stages", "train,evalute"], r"unknown stage"),
+        (["output_dir=/proc/specjax-run"], r"cannot use output_dir '/proc/specjax-run'"),
+        ([f"output_dir={SMOKE}"], r"output_dir '.*smoke.yaml' is a file; choose a folder"),
     ],
     ids=[
         "unknown-key",
@@ -288,6 +303,8 @@ def _snapshot(folder: Path) -> dict:
         "tap-layers-before-regenerate",
         "other-config",
         "unavailable-stage",
+        "output-dir-unusable",
+        "output-dir-a-file",
     ],  # fmt: skip
 )
 def test_bad_input_is_one_line_and_writes_nothing(smoke_run, capsys, overrides, message):

@@ -26,7 +26,7 @@ def parser() -> cli.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    args = parser().parse_intermixed_args(argv)  # overrides may come before and after --stages
     cfg = load_config(args.config, args.overrides)
     stages = ["all"] if args.stages == "all" else [s.strip() for s in args.stages.split(",") if s.strip()]
     run(cfg, stages)

@@ -11,11 +11,15 @@ export     -> export/    a LlamaForCausalLMEagle3 folder (config.json + model.sa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
+import socket
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -35,6 +39,7 @@ from specjax.sharding import make_mesh
 from specjax.tree import TreeSpec
 from train.batches import BatchSource, pack
 from train.config import TrainConfig, config_to_dict
+from train.conversations import read_conversations
 from train.data import load_prompts, load_samples, reference_responses, regenerate
 from train.features import compute_features, feature_layers, load_features
 from train.model_card import model_card
@@ -58,24 +63,30 @@ def maybe_initialize_distributed(cfg: TrainConfig) -> None:
         jax.distributed.initialize()
 
 
+def check_record(cfg: TrainConfig) -> None:
+    """Raises InputError when output_dir holds a run made with other data (or, once trained, training) settings."""
+    path = cfg.output_path / "config.json"
+    if not path.exists():
+        return
+    previous, current = json.loads(path.read_text()), config_to_dict(cfg)
+    trained = (cfg.output_path / "train").exists()
+    for section in _DATA_SECTIONS + (_TRAIN_SECTIONS if trained else ()):
+        a, b = dict(previous.get(section, {})), dict(current[section])
+        if section == "training":
+            for key in ("steps", "stop_after"):
+                a.pop(key, None), b.pop(key, None)
+        if a != b:
+            raise InputError(
+                f"{cfg.output_dir} holds a run made with different {section} settings; "
+                "choose another output_dir or restore the original config"
+            )
+
+
 def record_config(cfg: TrainConfig) -> None:
     """Writes output_dir/config.json, or checks that an existing run there was made with the same settings."""
+    check_record(cfg)
     path = cfg.output_path / "config.json"
-    current = config_to_dict(cfg)
-    if path.exists():
-        previous = json.loads(path.read_text())
-        trained = (cfg.output_path / "train").exists()
-        for section in _DATA_SECTIONS + (_TRAIN_SECTIONS if trained else ()):
-            a, b = dict(previous.get(section, {})), dict(current[section])
-            if section == "training":
-                for key in ("steps", "stop_after"):
-                    a.pop(key, None), b.pop(key, None)
-            if a != b:
-                raise InputError(
-                    f"{cfg.output_dir} holds a run made with different {section} settings; "
-                    "choose another output_dir or restore the original config"
-                )
-    text = json.dumps(current, indent=1)
+    text = json.dumps(config_to_dict(cfg), indent=1)
     if path.exists() and path.read_text() == text:
         return  # the same run: leave the record (and its mtime) alone
     cfg.output_path.mkdir(parents=True, exist_ok=True)
@@ -98,8 +109,11 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
 
     Without it these mistakes surfaced only in the train stage, after a regeneration that may take hours.
     """
+    for source in cfg.data.prompt_sources:
+        if source not in ("builtin", "synthetic"):
+            read_conversations(Path(source))  # a missing or malformed prompts file
     if "regenerate" in stages and "synthesize" not in stages:
-        load_prompts(cfg.data, synthetic_path(cfg))  # a missing, malformed or short prompts file
+        load_prompts(cfg.data, synthetic_path(cfg))  # too few prompts
     head_config(cfg, model)  # tap layers / vocabulary sizes against the target, before any stage runs
     if {"train", "evaluate", "export"} & set(stages):
         mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
@@ -109,6 +123,7 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
                 f"training.batch_size={cfg.training.batch_size} does not divide over mesh data x fsdp = {replicas} "
                 "devices; make it a multiple"
             )
+    check_record(cfg)  # output_dir holds another run
 
 
 def store_root(cfg: TrainConfig) -> Path:
@@ -288,10 +303,38 @@ def run(cfg: TrainConfig, stages: list[str]) -> None:
     maybe_initialize_distributed(cfg)
     model = load_model(cfg.model.target)
     validate(cfg, model, stages)
-    record_config(cfg)
-    for stage in (s for s in STAGES if s in stages):
-        print(f"== {stage}", file=sys.stderr)
-        STAGE_FUNCTIONS[stage](cfg, model)
+    with exclusive_output_dir(cfg.output_path) if jax.process_index() == 0 else contextlib.nullcontext():
+        record_config(cfg)
+        for stage in (s for s in STAGES if s in stages):
+            print(f"== {stage}", file=sys.stderr)
+            STAGE_FUNCTIONS[stage](cfg, model)
+
+
+@contextlib.contextmanager
+def exclusive_output_dir(path: Path):
+    """Holds an OS lock (flock on output_dir/.lock) for the whole run: a second run on the same output_dir is
+    refused with one line naming the holder, instead of both writing the same checkpoints and metrics."""
+    if path.exists() and not path.is_dir():
+        raise InputError(f"output_dir {str(path)!r} is a file; choose a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        lock = open(path / ".lock", "a+", encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot use output_dir {str(path)!r}: {e.strerror}") from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise InputError(
+                f"{path} is in use by another specjax-train run ({lock.read().strip() or 'holder unknown'}); "
+                "wait for it to end or choose another output_dir"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        lock.flush()
+        yield
 
 
 STAGE_FUNCTIONS = {
