@@ -161,27 +161,49 @@ def test_sigkill_between_checkpoints_then_resume_is_exact(tmp_path):
 # -- 6. divergence -----------------------------------------------------------------------------------------------
 
 
-def test_nan_loss_stops_with_the_last_checkpoint_intact(tmp_path):
-    _, trainer, source = train_tiny.build(
-        ["training.learning_rate=1e30", "training.warmup_steps=0", "training.steps=8", "checkpoint.every=1",
-         "checkpoint.keep=2"]
-    )  # fmt: skip
-    losses = []
+def test_divergence_before_any_checkpoint_says_to_start_again(tmp_path):
+    _, trainer, source = train_tiny.build(["training.learning_rate=1e30", "training.warmup_steps=0",
+                                           "training.steps=4", "checkpoint.every=1"])  # fmt: skip
+    with pytest.raises(TrainingDiverged, match="at step 1, before any checkpoint; lower training.learning_rate"):
+        train(trainer, source, tmp_path)  # the first update already throws the weights far past PARAM_LIMIT
+    assert checkpoint_manager(trainer, tmp_path).latest_step() is None and _metrics(tmp_path) == []
+
+
+def test_a_diverged_run_resumes_from_its_last_good_checkpoint_with_a_lower_learning_rate(tmp_path):
+    base = ["training.warmup_steps=0", "training.steps=6", "checkpoint.every=1", "checkpoint.keep=2"]
+    _, trainer, source = train_tiny.build(base)
+    train(trainer, source, tmp_path, stop_after=3)
+    _, trainer, source = train_tiny.build([*base, "training.learning_rate=1e30"])  # the same run, a wild rate
     with pytest.raises(TrainingDiverged) as info:
-        train(trainer, source, tmp_path, on_step=lambda step, host: losses.append(host["loss"]))
+        train(trainer, source, tmp_path)
     assert isinstance(info.value, SpecjaxError)
-    bad_step = len(losses) + 1
-    good = len(losses)
-    assert good >= 1 and all(np.isfinite(losses))
-    assert f"at step {bad_step};" in str(info.value) and f"(step {good})" in str(info.value), str(info.value)
-    # The last good checkpoint restores, and holds finite weights.
+    message = str(info.value)
+    assert "at step 4; the last good checkpoint (step 3) is intact: run again with the same output_dir" in message
+    assert "(beyond 10000)" in message or "the loss became" in message
     manager = checkpoint_manager(trainer, tmp_path)
-    assert manager.latest_step() == good
     state = restore_latest(trainer, manager)
     manager.close()
-    assert int(state["step"]) == good
-    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(state["params"]))
-    assert [m["step"] for m in _metrics(tmp_path)] == list(range(1, good + 1))
+    assert int(state["step"]) == 3  # "last good" means finite loss and finite, bounded weights
+    assert all(bool(jnp.abs(x).max() <= 1e4) for x in jax.tree.leaves(state["params"]))
+    # As the message says: the same output_dir and a sane rate resume at step 4 and finish.
+    _, trainer, source = train_tiny.build([*base, "training.learning_rate=0.005"])
+    final = train(trainer, source, tmp_path)
+    assert int(final["step"]) == 6 and [m["step"] for m in _metrics(tmp_path)] == list(range(1, 7))
+
+
+def test_a_resumed_run_may_change_optimiser_settings_but_not_the_model_or_data(tmp_path, capsys):
+    from train.config import load_config
+    from train.run import check_record, record_config
+
+    first = load_config(SMOKE, [f"output_dir={tmp_path}"])
+    record_config(first)
+    (tmp_path / "train").mkdir()
+    check_record(load_config(SMOKE, [f"output_dir={tmp_path}", "training.learning_rate=1e-4",
+                                     "training.grad_clip=2.0", "training.steps=50"]))  # fmt: skip
+    assert "resuming with changed training settings" in capsys.readouterr().err
+    for other in ("training.seq_len=64", "training.ttt_length=2", "data.max_new_tokens=8"):
+        with pytest.raises(SpecjaxError, match="holds a run made with different"):
+            check_record(load_config(SMOKE, [f"output_dir={tmp_path}", other]))
 
 
 # -- 7 and 8. the CLI and the smoke pipeline --------------------------------------------------------------------

@@ -51,6 +51,11 @@ STAGES = ("synthesize", "regenerate", "vocab", "features", "train", "evaluate", 
 # Sections that define what a run has already produced: a resumed run must agree on them (training.steps may grow).
 # The training sections bind only once the train stage has started.
 _DATA_SECTIONS = ("model", "data")
+# Training settings a resumed run may change: its length and the optimiser's schedule and clipping (the optimiser's
+# state carries over). Everything else in `training` and `mesh` shapes the state or the data order.
+RESUMABLE_TRAINING_KEYS = (
+    "steps", "stop_after", "epochs", "learning_rate", "warmup_steps", "final_lr_ratio", "grad_clip", "weight_decay",
+)  # fmt: skip
 _TRAIN_SECTIONS = ("training", "mesh")
 
 
@@ -73,7 +78,10 @@ def check_record(cfg: TrainConfig) -> None:
     for section in _DATA_SECTIONS + (_TRAIN_SECTIONS if trained else ()):
         a, b = dict(previous.get(section, {})), dict(current[section])
         if section == "training":
-            for key in ("steps", "stop_after"):
+            changed = {k: (a.get(k), b[k]) for k in RESUMABLE_TRAINING_KEYS if a.get(k) != b[k]}
+            if trained and changed:
+                print(f"resuming with changed training settings: {changed}", file=sys.stderr)
+            for key in RESUMABLE_TRAINING_KEYS:
                 a.pop(key, None), b.pop(key, None)
         if a != b:
             raise InputError(

@@ -45,7 +45,12 @@ TRAIN_RULES = (
 
 
 class TrainingDiverged(SpecjaxError):
-    """The loss became NaN or infinite."""
+    """The loss or a weight became NaN or infinite, or a weight grew past PARAM_LIMIT."""
+
+
+# A step whose weights leave [-PARAM_LIMIT, PARAM_LIMIT] has diverged even while its loss is finite: a head's weights
+# are of order 1, and a checkpoint is kept as "last good" only when its loss and weights are finite and bounded.
+PARAM_LIMIT = 1e4
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -139,7 +144,8 @@ class Trainer:
         (loss, aux), grads = grad_fn(state["params"], target_weights, batch)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+        largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(params)]))
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "param_max": largest, **aux}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def step(self, state: dict, batch: dict[str, np.ndarray]) -> tuple[dict, dict]:
@@ -157,6 +163,19 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     if path.exists():
         lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
         path.write_text("".join(line + "\n" for line in lines))
+
+
+def _divergence_message(host: dict, step: int, last_good: int | None) -> str:
+    what = (
+        f"the loss became {host['loss']}" if not math.isfinite(host["loss"])
+        else f"a weight reached {host['param_max']:.3g} (beyond {PARAM_LIMIT:g})"
+    )  # fmt: skip
+    if last_good is None:
+        return f"{what} at step {step}, before any checkpoint; lower training.learning_rate and run again"
+    return (
+        f"{what} at step {step}; the last good checkpoint (step {last_good}) is intact: run again with the same "
+        "output_dir and a lower training.learning_rate to resume from it (optimiser settings may change on resume)"
+    )
 
 
 def checkpoint_manager(trainer: Trainer, run_dir: Path) -> ocp.CheckpointManager:
@@ -212,12 +231,8 @@ def train(
             for step in bar:
                 state, metrics = trainer.step(state, source.batch(step))
                 host = jax.tree.map(lambda x: np.asarray(x).tolist(), jax.device_get(metrics))
-                if not math.isfinite(host["loss"]):
-                    raise TrainingDiverged(
-                        f"the loss became {host['loss']} at step {step + 1}; the last good checkpoint "
-                        f"(step {manager.latest_step()}) is intact: lower training.learning_rate and run again "
-                        "to resume"
-                    )
+                if not (math.isfinite(host["loss"]) and host["param_max"] <= PARAM_LIMIT):  # NaN fails both
+                    raise TrainingDiverged(_divergence_message(host, step + 1, manager.latest_step()))
                 done = step + 1
                 rate = tokens_per_step / (time.perf_counter() - t0)
                 t0 = time.perf_counter()
