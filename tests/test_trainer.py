@@ -158,6 +158,30 @@ def test_sigkill_between_checkpoints_then_resume_is_exact(tmp_path):
     assert comparable(killed) == comparable(whole)  # bit for bit: exact floats
 
 
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys):
+    _, trainer, source = train_tiny.build(["training.steps=6", "checkpoint.every=2", "checkpoint.keep=3"])
+    train(trainer, source, tmp_path, stop_after=4)
+    rng = np.random.default_rng(0)
+    for path in (tmp_path / "checkpoints" / "4").rglob("*"):
+        if path.is_file() and path.stat().st_size > 0:
+            path.write_bytes(rng.bytes(path.stat().st_size))  # every file of step 4 is garbage
+    manager = checkpoint_manager(trainer, tmp_path)
+    state = restore_latest(trainer, manager)
+    manager.close()
+    err = capsys.readouterr().err
+    assert int(state["step"]) == 2 and "the checkpoint of step 4 is damaged" in err
+    assert (tmp_path / "corrupt-checkpoints" / "4").is_dir()
+    final = train(trainer, source, tmp_path)  # training goes on from step 2, and saves step 4 again
+    assert int(final["step"]) == 6 and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "4", "6"]
+    assert [m["step"] for m in _metrics(tmp_path)] == list(range(1, 7))
+    for step in ("2", "4", "6"):  # now every checkpoint is damaged: one clear error
+        for path in (tmp_path / "checkpoints" / step).rglob("*"):
+            if path.is_file() and "metadata" in path.name.lower():
+                path.unlink()
+    with pytest.raises(SpecjaxError, match="no intact checkpoint in .*; delete the train folder"):
+        restore_latest(trainer, checkpoint_manager(trainer, tmp_path))
+
+
 # -- 6. divergence -----------------------------------------------------------------------------------------------
 
 

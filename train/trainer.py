@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from specjax.errors import SpecjaxError
+from specjax.errors import CheckpointError, SpecjaxError
 from specjax.models.eagle3 import Eagle3Head, param_specs
 from specjax.models.llama import ArraySpec, Weights, lm_logits, weight_specs
 from specjax.sharding import DEFAULT_RULES, partition_spec
@@ -185,15 +186,40 @@ def checkpoint_manager(trainer: Trainer, run_dir: Path) -> ocp.CheckpointManager
 
 
 def restore_latest(trainer: Trainer, manager: ocp.CheckpointManager) -> dict:
-    """The train state of the newest checkpoint, placed with the run's shardings; the initial state if none."""
-    latest = manager.latest_step()
-    if latest is None:
-        return trainer.initial_state
+    """The train state of the newest intact checkpoint, placed with the run's shardings; the initial state if none.
+
+    A checkpoint that does not restore (corrupt or missing files) or holds non-finite weights is moved aside to
+    `corrupt-checkpoints/STEP` (or STEP.N) beside `checkpoints/`, with one line saying so, and the next older one
+    is tried.
+    Raises CheckpointError when checkpoints exist but none is intact.
+    """
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), trainer.initial_state
     )
-    print(f"restored the checkpoint of step {latest}", file=sys.stderr)
-    return manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+    steps = sorted(manager.all_steps(), reverse=True)
+    for step in steps:
+        try:
+            state = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            intact = all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(state["params"]))
+            reason = "non-finite weights"
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore fail in many ways on damaged files
+            intact, reason = False, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        if intact:
+            print(f"restored the checkpoint of step {step}", file=sys.stderr)
+            return state
+        aside = Path(manager.directory).parent / "corrupt-checkpoints" / str(step)
+        aside = next(p for n in range(1000) if not (p := aside.with_name(f"{step}.{n}" if n else str(step))).exists())
+        if jax.process_index() == 0:
+            aside.parent.mkdir(exist_ok=True)
+            os.replace(Path(manager.directory) / str(step), aside)
+        print(f"the checkpoint of step {step} is damaged ({reason}); moved it to {aside}", file=sys.stderr)
+        manager.reload()
+    if steps:
+        raise CheckpointError(
+            f"no intact checkpoint in {manager.directory} (damaged ones were moved to corrupt-checkpoints/); "
+            "delete the train folder to start training again"
+        )
+    return trainer.initial_state
 
 
 def train(
