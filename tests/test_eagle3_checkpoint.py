@@ -270,9 +270,11 @@ def test_inconsistent_vocab_buffers_and_bad_variants_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
     with pytest.raises(CheckpointError, match="t2d and d2t"):
         load_eagle3(tmp_path, TARGET)
-    for flag in ({"num_hidden_layers": 2}, {"norm_before_residual": True}, {"architectures": ["LlamaForCausalLM"]}):
-        with pytest.raises(UnsupportedModelError):
+    for flag in ({"num_hidden_layers": 2}, {"norm_before_residual": True}, {"architectures": ["LlamaForCausalLM"]},
+                 {"tie_word_embeddings": True}):  # fmt: skip
+        with pytest.raises(UnsupportedModelError) as err:
             Eagle3Config.from_hf({**cfg.to_hf(), **flag}, TARGET)
+        assert next(iter(flag)) in str(err.value) or "architectures" in flag
 
 
 def test_a_head_with_nan_weights_is_refused(tmp_path):

@@ -162,6 +162,11 @@ class Eagle3Config:
         for flag in ("fc_norm", "norm_output", "norm_before_residual", "attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise UnsupportedModelError(f"EAGLE-3 head option {flag}=true is not supported; use a standard head")
+        if hf.get("tie_word_embeddings"):
+            raise UnsupportedModelError(
+                "EAGLE-3 head config sets tie_word_embeddings=true (lm_head tied to the embedding); specjax runs heads "
+                "with their own lm_head only: set it to false if the checkpoint stores lm_head.weight"
+            )
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"EAGLE-3 head hidden_act={hf['hidden_act']!r} is not supported; need silu")
         n_target = target_cfg.num_layers
