@@ -334,7 +334,7 @@ def test_a_second_run_on_the_same_output_dir_is_refused(smoke_run, capsys):
         (["mesh.data=2"], r"needs 2 devices, but 1 are available"),
         (["model.tap_layers=[1, 2, 9]"], r"tap layers \[1, 2, 9\] must be .* 0\.\.3"),
         (["--stages", "regenerate,vocab", "model.tap_layers=[0, 7]"], r"tap layers \[0, 7\] must be .* 0\.\.3"),
-        (["training.learning_rate=0.1"], r"holds a run made with different training settings"),
+        (["training.seq_len=64"], r"holds a run made with different training settings"),
         (["--stages", "train,evalute"], r"unknown stage"),
         (["output_dir=/proc/specjax-run"], r"cannot use output_dir '/proc/specjax-run'"),
         ([f"output_dir={SMOKE}"], r"output_dir '.*smoke.yaml' is a file; choose a folder"),
