@@ -12,7 +12,7 @@ from specjax.evalsets import chat_records, humaneval_prompts
 from specjax.io.models import tiny_random_model
 from train import data as data_module
 from train.config import load_config
-from train.conversations import read_conversations
+from train.conversations import _messages, read_conversations
 from train.filters import NearDuplicates, degeneracy_issue, language_issue
 
 SHAREGPT = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi there"},
@@ -93,7 +93,7 @@ def test_multi_turn_regeneration_masks_exactly_the_replies(tiny):
 
 
 def read_conversations_from(record):
-    return data_module.source_conversations.__globals__["_messages"](record, "test")
+    return _messages(record, "test")
 
 
 def test_training_on_the_files_own_turns_needs_no_target(tiny, tmp_path):

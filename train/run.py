@@ -45,7 +45,7 @@ from train.features import compute_features, feature_layers, load_features
 from train.model_card import model_card
 from train.synthesize import synthesize
 from train.trainer import Trainer, checkpoint_manager, restore_latest, train
-from train.vocab import coverage, draft_vocab, load_vocab, save_vocab
+from train.vocab import assistant_token_counts, coverage, load_vocab, save_vocab, vocab_from_counts
 
 STAGES = ("synthesize", "regenerate", "vocab", "features", "train", "evaluate", "export")
 # Sections that define what a run has already produced: a resumed run must agree on them (training.steps may grow).
@@ -117,11 +117,12 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
 
     Without it these mistakes surfaced only in the train stage, after a regeneration that may take hours.
     """
-    for source in cfg.data.prompt_sources:
-        if source not in ("builtin", "synthetic"):
-            read_conversations(Path(source))  # a missing or malformed prompts file
     if "regenerate" in stages and "synthesize" not in stages:
-        load_prompts(cfg.data, synthetic_path(cfg))  # too few prompts
+        load_prompts(cfg.data, synthetic_path(cfg))  # a missing or malformed prompts file, or too few prompts
+    else:
+        for source in cfg.data.prompt_sources:
+            if source not in ("builtin", "synthetic"):
+                read_conversations(Path(source))  # a missing or malformed prompts file
     head_config(cfg, model)  # tap layers / vocabulary sizes against the target, before any stage runs
     if {"train", "evaluate", "export"} & set(stages):
         mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
@@ -166,7 +167,8 @@ def stage_vocab(cfg: TrainConfig, model: LoadedModel) -> None:
     """The draft vocabulary, and the share of the target's tokens it covers, for several sizes: on the training
     responses, and on the target's greedy responses to each evaluation set (which never enter the counts)."""
     samples = load_samples(cfg.output_path / "data", regenerated_only=True)
-    d2t, t2d, covered = draft_vocab(samples, model.cfg.vocab_size, cfg.model.draft_vocab_size)
+    counts = assistant_token_counts(samples, model.cfg.vocab_size)
+    d2t, t2d, covered = vocab_from_counts(counts, cfg.model.draft_vocab_size)
     save_vocab(cfg.output_path / "vocab.npz", d2t, t2d)
     max_new = cfg.evaluation.max_new_tokens or cfg.data.max_new_tokens
     data = dataclasses.replace(cfg.data, max_new_tokens=max_new, max_prompt_tokens=model.cfg.max_position_embeddings)
@@ -176,8 +178,8 @@ def stage_vocab(cfg: TrainConfig, model: LoadedModel) -> None:
     }
     by_size = {}
     for size in sorted({*VOCAB_SIZES, cfg.model.draft_vocab_size}):
-        size_t2d = draft_vocab(samples, model.cfg.vocab_size, min(size, model.cfg.vocab_size))[1]
-        by_size[size] = {"training": coverage(samples, size_t2d)}
+        _, size_t2d, training_coverage = vocab_from_counts(counts, min(size, model.cfg.vocab_size))
+        by_size[size] = {"training": training_coverage}
         by_size[size].update({name: coverage(s, size_t2d) for name, s in held_out.items()})
     report = {"draft_vocab_size": len(d2t), "coverage": covered, "coverage_by_size": by_size}
     (cfg.output_path / "vocab.json").write_text(json.dumps(report, indent=1))

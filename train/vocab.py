@@ -25,11 +25,22 @@ def draft_vocab(samples: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: in
     Returns:
       (d2t int64 [Vd], t2d bool [V], share of assistant tokens the draft vocabulary covers).
     """
-    if not 0 < draft_vocab_size <= vocab_size:
-        raise InputError(f"draft_vocab_size must be in 1..{vocab_size}, got {draft_vocab_size}")
+    return vocab_from_counts(assistant_token_counts(samples, vocab_size), draft_vocab_size)
+
+
+def assistant_token_counts(samples: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> np.ndarray:
+    """int64 [V]: how often each target token occurs in assistant spans (loss_mask == 1)."""
     counts = np.zeros(vocab_size, np.int64)
     for tokens, mask in samples:
         np.add.at(counts, tokens[mask.astype(bool)], 1)
+    return counts
+
+
+def vocab_from_counts(counts: np.ndarray, draft_vocab_size: int):
+    """`draft_vocab` from precomputed token counts (several sizes from one counting pass)."""
+    vocab_size = len(counts)
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise InputError(f"draft_vocab_size must be in 1..{vocab_size}, got {draft_vocab_size}")
     # Most frequent first; ties (and never-seen tokens, which pad a small corpus) by ascending id.
     order = np.lexsort((np.arange(vocab_size), -counts))
     used = np.sort(order[:draft_vocab_size])
