@@ -129,6 +129,26 @@ def test_the_store_resumes_and_a_larger_run_reuses_the_smaller_runs_shards(tiny,
     assert len(samples) == 24 and all(m.dtype == np.int8 for _, m in samples)
 
 
+def test_sources_are_taken_in_turn_a_unit_at_a_time_so_smaller_runs_are_prefixes(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_module, "UNIT", 4)
+    a = _write(tmp_path / "a.jsonl", [{"prompt": f"a{i}"} for i in range(12)])
+    b = _write(tmp_path / "b.jsonl", [{"prompt": f"b{i}"} for i in range(6)])
+
+    def texts(num_prompts):
+        data = load_config(
+            None, [f"data.prompts=[{a}, {b}]", "data.eval_prompts=2", f"data.num_prompts={num_prompts}"]
+        ).data
+        per_source, held_out = data_module.load_prompts(data, tmp_path / "unused.jsonl")
+        assert held_out == ["a0", "a1"]
+        return [[c[0]["content"] for c in source] for source in per_source]
+
+    assert texts(3) == [["a2", "a3", "a4"]]
+    assert texts(10) == [["a2", "a3", "a4", "a5", "a6", "a7"], ["b0", "b1", "b2", "b3"]]
+    assert texts(16) == [[f"a{i}" for i in range(2, 12)], [f"b{i}" for i in range(6)]]  # b runs out: a goes on
+    with pytest.raises(InputError, match="lower them"):
+        texts(17)
+
+
 def test_conversations_resembling_evaluation_prompts_are_dropped(tiny, tmp_path):
     humaneval = humaneval_prompts()[0]
     prompts = _write(tmp_path / "p.jsonl", [{"prompt": "Held out?"}, {"prompt": humaneval},

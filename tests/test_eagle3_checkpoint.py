@@ -270,11 +270,59 @@ def test_inconsistent_vocab_buffers_and_bad_variants_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
     with pytest.raises(CheckpointError, match="t2d and d2t"):
         load_eagle3(tmp_path, TARGET)
-    for flag in ({"num_hidden_layers": 2}, {"norm_before_residual": True}, {"architectures": ["LlamaForCausalLM"]},
+    for flag in ({"num_hidden_layers": 2}, {"fc_norm": True}, {"architectures": ["LlamaForCausalLM"]},
                  {"tie_word_embeddings": True}):  # fmt: skip
         with pytest.raises(UnsupportedModelError) as err:
             Eagle3Config.from_hf({**cfg.to_hf(), **flag}, TARGET)
         assert next(iter(flag)) in str(err.value) or "architectures" in flag
+
+
+@pytest.mark.parametrize("variant", [{"norm_output": True}, {"norm_before_residual": True}])
+def test_variant_flags_are_read_written_and_change_the_drafts(tmp_path, variant):
+    """EAGLE-3.1's norm_output and speculators' norm_before_residual round-trip and take effect (the torch parity
+    of each is in test_eagle3_head); false is EAGLE-3 itself, and a flag that is not a bool is refused."""
+    cfg = small_cfg(**variant)
+    head = small_head(cfg, seed=3)
+    save_eagle3(tmp_path, cfg, head, dtype=np.float32)
+    assert json.loads((tmp_path / "config.json").read_text())[next(iter(variant))] is True
+    cfg2, head2 = load_eagle3(tmp_path, TARGET)
+    assert cfg2 == cfg
+    standard = Eagle3Head(small_cfg(), weights=nnx.to_pure_dict(nnx.state(head)))
+    assert not np.allclose(draft_logits(head2)[1], draft_logits(standard)[1])
+    flat = {**cfg.to_hf(), "norm_output": False, "norm_before_residual": False}
+    assert Eagle3Config.from_hf(flat, TARGET) == small_cfg()
+    with pytest.raises(CheckpointError, match="must be true or false"):
+        Eagle3Config.from_hf({**cfg.to_hf(), **{k: "yes" for k in variant}}, TARGET)
+
+
+def speculators_config(cfg: Eagle3Config) -> dict:
+    """The config as vLLM's speculators library writes it: the layer's fields nest in transformer_layer_config."""
+    flat = cfg.to_hf()
+    top = ("draft_vocab_size", "norm_before_residual", "norm_output", "eagle_aux_hidden_state_layer_ids")
+    layer = {k: v for k, v in flat.items() if k not in top}
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "target_hidden_size": None,
+        **{k: flat[k] for k in top if k in flat},
+        "transformer_layer_config": {**layer, "architectures": ["LlamaForCausalLM"]},
+        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [{"speculative_tokens": 3}],
+                               "verifier": {"name_or_path": "some/target"}},
+    }  # fmt: skip
+
+
+def test_speculators_format_configs_load(tmp_path):
+    cfg = small_cfg(norm_before_residual=True, tap_layers=(1, 4, 6))
+    head = small_head(cfg, seed=4)
+    save_eagle3(tmp_path, cfg, head, dtype=np.float32)
+    (tmp_path / "config.json").write_text(json.dumps(speculators_config(cfg)))
+    cfg2, head2 = load_eagle3(tmp_path, TARGET)
+    assert cfg2 == cfg
+    for a, b in zip(draft_logits(head), draft_logits(head2)):
+        np.testing.assert_array_equal(a, b)
+    broken = {**speculators_config(cfg), "transformer_layer_config": "llama"}
+    with pytest.raises(CheckpointError, match="transformer_layer_config"):
+        Eagle3Config.from_hf(broken, TARGET)
 
 
 def test_a_head_with_nan_weights_is_refused(tmp_path):

@@ -1,5 +1,7 @@
 """EAGLE-3 head forward: parity with an independent PyTorch implementation written from EAGLE3.md section 2."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,7 +80,10 @@ class TorchEagle3:
         return taps @ self.w["fc.weight"].T
 
     def __call__(self, e, g, pos):
-        """Appends T rows (causal among themselves, seeing every earlier row); returns (logits, out_prenorm)."""
+        """Appends T rows (causal among themselves, seeing every earlier row); returns (logits, next g).
+
+        The next g is the pre-norm output (EAGLE-3) or, with norm_output, the post-norm one (EAGLE-3.1).
+        """
         c, w = self.cfg, self.w
         B, T, _ = e.shape
         p = "midlayer."
@@ -98,11 +103,13 @@ class TorchEagle3:
         scores = (q @ k.transpose(-1, -2)) / c.head_dim**0.5
         scores = scores.masked_fill(~allowed, float("-inf"))
         attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1)
-        h1 = g + attn @ w[p + "self_attn.o_proj.weight"].T
+        residual = self.rms(g, w[p + "hidden_norm.weight"]) if c.norm_before_residual else g
+        h1 = residual + attn @ w[p + "self_attn.o_proj.weight"].T
         n = self.rms(h1, w[p + "post_attention_layernorm.weight"])
         act = torch.nn.functional.silu(n @ w[p + "mlp.gate_proj.weight"].T) * (n @ w[p + "mlp.up_proj.weight"].T)
         h2 = h1 + act @ w[p + "mlp.down_proj.weight"].T
-        return self.rms(h2, w["norm.weight"]) @ w["lm_head.weight"].T, h2
+        normed = self.rms(h2, w["norm.weight"])
+        return normed @ w["lm_head.weight"].T, normed if c.norm_output else h2
 
 
 @nnx.jit
@@ -115,9 +122,17 @@ def rel_err(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
+VARIANTS = {
+    "eagle3": {},
+    "eagle3.1-norm-output": {"norm_output": True},
+    "norm-before-residual": {"norm_before_residual": True},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("own_embedding", [False, True], ids=["shared-embedding", "own-embedding-Ht!=H-linear-rope"])
-def test_forward_parity_with_torch_prefix_then_cached_steps(own_embedding):
-    cfg = head_config(own_embedding)
+def test_forward_parity_with_torch_prefix_then_cached_steps(own_embedding, variant):
+    cfg = dataclasses.replace(head_config(own_embedding), **VARIANTS[variant])
     head = random_head(cfg, seed=1)
     tensors = {k: np.asarray(v) for k, v in head_to_hf(head).items()}
     ref = TorchEagle3(cfg, tensors)
@@ -143,7 +158,7 @@ def test_forward_parity_with_torch_prefix_then_cached_steps(own_embedding):
     assert rel_err(logits, t_logits.numpy()) <= 1e-4
     assert rel_err(out, t_out.numpy()) <= 1e-4
 
-    # Draft steps k = 1..: the drafted token (mapped through d2t), g = the parent's pre-norm output, position + 1.
+    # Draft steps k = 1..: the drafted token (mapped through d2t), g = the parent's next g, position + 1.
     d2t = tensors["d2t"]
     last_pos = pos[:, -1:]
     for k in range(1, steps + 1):

@@ -25,6 +25,8 @@ class ModelSection:
     tap_layers: tuple[int, ...] | None = None
     draft_vocab_size: int = 8192
     intermediate_size: int | None = None  # head MLP width; None = the target's
+    norm_output: bool = False  # EAGLE-3.1: the next draft step reads the post-norm output
+    norm_before_residual: bool = False  # the midlayer's residual is hidden_norm(g) (vLLM speculators' variant)
 
 
 @dataclasses.dataclass(frozen=True)

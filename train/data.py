@@ -1,12 +1,12 @@
 """Stage `regenerate`: the target writes the assistant turns itself; and the dataset those turns form.
 
-The training conversations (train/conversations.py) of each source are cut, in order, into units of `UNIT`
-conversations. Each unit
-yields one shard per response: the greedy one, then `data.samples_per_prompt` sampled ones. A shard holds token
-arrays with assistant-only loss masks (compressed `.npz`, no pickle) and lives in the content-addressed store
-(train/store.py) under the hash of the target, the unit's conversations and the generation settings: a run resumes
-at the first missing shard, a run with more prompts reuses the shards of a smaller one, and a committed store lets a
-later run retrain without generating. `output_dir/data/manifest.json` lists the shards a run uses, with counts.
+The training conversations (train/conversations.py) are taken from the sources in turn and each source's are cut,
+in order, into units of `UNIT` conversations. Each unit yields one shard per response: the greedy one, then
+`data.samples_per_prompt` sampled ones. A shard holds token arrays with assistant-only loss masks (compressed
+`.npz`, no pickle) and lives in the content-addressed store (train/store.py) under the hash of the target, the
+unit's conversations and the generation settings: a run resumes at the first missing shard, a run with more prompts
+reuses the shards of a smaller one, and a committed store lets a later run retrain without generating.
+`output_dir/data/manifest.json` lists the shards a run uses, with counts.
 
 Multi-turn conversations are regenerated turn by turn, batched over conversations: turn t's prompt is the
 conversation so far (with the target's own earlier replies) through the chat template. A conversation whose reply
@@ -43,24 +43,26 @@ Sample = tuple[np.ndarray, np.ndarray]  # (token ids, loss mask)
 
 
 def load_prompts(data: DataSection, synthetic_path: Path) -> tuple[list[list[Conversation]], list[str]]:
-    """(training conversations per source, held-out evaluation prompts): the first `data.eval_prompts`
-    conversations of the first source are held out (their first user turn); the next `data.num_prompts` of all
-    sources, in order, train."""
-    per_source, total, need = [], 0, data.eval_prompts + data.num_prompts
-    for source in data.prompt_sources:
-        if total >= need:
-            break
-        conversations = source_conversations(source, data.seed, synthetic_path)[: need - total]
-        per_source.append(conversations)
-        total += len(conversations)
-    if total < need:
+    """(training conversations per source, held-out evaluation prompts).
+
+    The first `data.eval_prompts` conversations of the first source are held out (their first user turn). The
+    `data.num_prompts` training conversations are taken from the sources in turn, `UNIT` at a time, each source in
+    its own order, so every smaller run is a prefix of a larger one that mixes the sources alike.
+    """
+    pools = [source_conversations(source, data.seed, synthetic_path) for source in data.prompt_sources]
+    held_out = [first_user_text(c) for c in pools[0][: data.eval_prompts]]
+    pools[0] = pools[0][data.eval_prompts :]
+    taken, need = [0] * len(pools), data.num_prompts
+    while need and any(t < len(pool) for t, pool in zip(taken, pools)):
+        for i, pool in enumerate(pools):
+            n = min(UNIT, len(pool) - taken[i], need)
+            taken[i], need = taken[i] + n, need - n
+    if need or len(held_out) < data.eval_prompts:
         raise InputError(
-            f"{', '.join(data.prompt_sources)}: {total} prompts, but data.num_prompts + data.eval_prompts = {need}; "
-            "lower them"
+            f"{', '.join(data.prompt_sources)}: {sum(map(len, pools)) + len(held_out)} prompts, but "
+            f"data.num_prompts + data.eval_prompts = {data.num_prompts + data.eval_prompts}; lower them"
         )
-    held_out = [first_user_text(c) for c in per_source[0][: data.eval_prompts]]
-    per_source[0] = per_source[0][data.eval_prompts :]
-    return per_source, held_out
+    return [pool[:t] for pool, t in zip(pools, taken) if t], held_out
 
 
 class _Builder:

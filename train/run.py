@@ -74,9 +74,10 @@ def check_record(cfg: TrainConfig) -> None:
     if not path.exists():
         return
     previous, current = json.loads(path.read_text()), config_to_dict(cfg)
+    defaults = config_to_dict(TrainConfig())  # a key added since the record was written reads as its default
     trained = (cfg.output_path / "train").exists()
     for section in _DATA_SECTIONS + (_TRAIN_SECTIONS if trained else ()):
-        a, b = dict(previous.get(section, {})), dict(current[section])
+        a, b = {**defaults[section], **previous.get(section, {})}, dict(current[section])
         if section == "training":
             changed = {k: (a.get(k), b[k]) for k in RESUMABLE_TRAINING_KEYS if a.get(k) != b[k]}
             if trained and changed:
@@ -103,7 +104,7 @@ def record_config(cfg: TrainConfig) -> None:
 
 def head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
     base = Eagle3Config.default_for(model.cfg, cfg.model.draft_vocab_size)
-    overrides = {}
+    overrides = {"norm_output": cfg.model.norm_output, "norm_before_residual": cfg.model.norm_before_residual}
     if cfg.model.tap_layers is not None:
         overrides["tap_layers"] = cfg.model.tap_layers
     if cfg.model.intermediate_size is not None:

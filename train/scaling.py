@@ -5,7 +5,8 @@ accepted length against training tokens.
       --out docs/bench/scaling [section.key=value ...]
 
 Each size N runs the config's stages from regenerate to evaluate into OUTPUT_DIR-scaling-N with data.num_prompts=N
-and training.epochs=E. Units of the store are shared, so sizes that are multiples of 256 generate nothing that the
+and training.epochs=E; the config's own size runs in OUTPUT_DIR itself, so the head the config trains is the curve's
+last point. Units of the store are shared, so sizes that are multiples of 256 generate nothing that the
 full run has. Writes OUT.json and OUT.png (one line per evaluation set and drafting mode).
 """
 
@@ -56,11 +57,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     points = []
     for n in sorted(args.prompts):
         base = load_config(args.config, args.overrides)
+        output_dir = base.output_dir if n == base.data.num_prompts else f"{base.output_dir}-scaling-{n}"
         cfg = load_config(
             args.config,
-            [*args.overrides, f"output_dir={base.output_dir}-scaling-{n}", f"data.num_prompts={n}",
-             f"training.epochs={args.epochs}"],
-        )  # fmt: skip
+            [*args.overrides, f"output_dir={output_dir}", f"data.num_prompts={n}", f"training.epochs={args.epochs}"],
+        )
         print(f"== scaling: {n} prompts -> {cfg.output_dir}", file=sys.stderr)
         run(cfg, STAGES)
         manifest = json.loads((cfg.output_path / "data" / "manifest.json").read_text())

@@ -114,8 +114,8 @@ def ttt_loss(
         values.append(value)
         q = q.reshape(B, T, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
         attn = attention(q, keys, values, seen_btt).reshape(B, T, cfg.num_heads, cfg.head_dim)
-        g = head.finish(g, attn)
-        logp = jax.nn.log_softmax(head.logits(g), axis=-1)
+        logits, g = head.readout(head.finish(g, attn))
+        logp = jax.nn.log_softmax(logits, axis=-1)
         labels = jax.nn.softmax(shift_left(target_logits_btv, 1 + k).astype(jnp.float32), axis=-1)
         same_sample = shift_left(segments, 2 + k) == segments
         mask = (shift_left(rows["loss_mask"], 2 + k) * same_sample).astype(jnp.float32)

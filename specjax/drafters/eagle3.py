@@ -183,8 +183,7 @@ class Eagle3Drafter:
                 q, cache.k[0].astype(k.dtype), cache.v[0].astype(v.dtype), k, v, cache_mask,
                 jnp.broadcast_to(jnp.eye(f, dtype=bool), (B, f, f)),
             )  # fmt: skip
-            out = head.finish(g, attn.reshape(B, f, cfg.num_heads, cfg.head_dim))
-            logits = head.logits(out)
+            logits, out = head.readout(head.finish(g, attn.reshape(B, f, cfg.num_heads, cfg.head_dim)))
             dst = jnp.where(ok_bf, c[:, None] + nodes_bf - 1, S)
             cache = dataclasses.replace(
                 cache,

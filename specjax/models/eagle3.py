@@ -4,6 +4,8 @@ The head follows `LlamaForCausalLMEagle3` (EAGLE3.md sections 1-3): `fc` fuses t
 layers into g [H]; the single "midlayer" attends with a 2H-wide input concat[input_layernorm(embed), hidden_norm(g)],
 keeps the *raw* g as its residual, and its pre-norm output is fed back as g at the next draft step; `norm` and a
 reduced-vocabulary `lm_head` give draft logits over Vd tokens, mapped to target ids by `target = draft + d2t[draft]`.
+Two published variants are config flags: `norm_output` (EAGLE-3.1) feeds back the post-norm output instead, the
+vector the lm_head reads; `norm_before_residual` (vLLM's speculators) keeps hidden_norm(g) as the residual.
 
 Every method works in fixed shapes and is jit-friendly: split the module with `nnx.split` outside a jit and
 `nnx.merge` it inside (e.g. a `lax.while_loop` body). The layer math lives in `qkv` / `finish` / `logits`, so the
@@ -67,6 +69,8 @@ class Eagle3Config:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    norm_output: bool = False  # EAGLE-3.1: the next draft step reads the final-norm output, not the pre-norm one
+    norm_before_residual: bool = False  # the residual is hidden_norm(g), not the raw g
 
     def __post_init__(self):
         if self.target_hidden_size is None:
@@ -159,7 +163,8 @@ class Eagle3Config:
             raise UnsupportedModelError(
                 f"config.json describes {arch}, not an EAGLE-3 head ({ARCHITECTURE}); point at an EAGLE-3 draft head"
             )
-        for flag in ("fc_norm", "norm_output", "norm_before_residual", "attention_bias", "mlp_bias"):
+        hf = _flatten_speculators(hf)
+        for flag in ("fc_norm", "norm_before_fc", "attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise UnsupportedModelError(f"EAGLE-3 head option {flag}=true is not supported; use a standard head")
         if hf.get("tie_word_embeddings"):
@@ -169,6 +174,10 @@ class Eagle3Config:
             )
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"EAGLE-3 head hidden_act={hf['hidden_act']!r} is not supported; need silu")
+        variants = {flag: hf.get(flag, False) for flag in ("norm_output", "norm_before_residual")}
+        for flag, value in variants.items():
+            if not isinstance(value, bool):
+                raise CheckpointError(f"EAGLE-3 head config.json has {flag}={value!r}; it must be true or false")
         n_target = target_cfg.num_layers
         try:
             layers = int(hf.get("num_hidden_layers", 1))
@@ -198,6 +207,7 @@ class Eagle3Config:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+                **variants,
             )
         except KeyError as e:
             raise CheckpointError(f"EAGLE-3 head config.json lacks the required field {e.args[0]!r}") from None
@@ -242,6 +252,8 @@ class Eagle3Config:
             "tie_word_embeddings": False,
             "attention_bias": False,
             "mlp_bias": False,
+            "norm_output": self.norm_output,
+            "norm_before_residual": self.norm_before_residual,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
@@ -253,6 +265,17 @@ class Eagle3Config:
             hf["eagle_aux_hidden_state_layer_ids"] = list(self.tap_layers)
             hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in self.tap_layers]}
         return hf
+
+
+def _flatten_speculators(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A config in the speculators format (vLLM's `Eagle3Speculator`) nests the layer's fields in
+    `transformer_layer_config` and keeps the EAGLE-3 fields at the top; other configs are returned as they are."""
+    layer = hf.get("transformer_layer_config")
+    if layer is None:
+        return hf
+    if not isinstance(layer, Mapping):
+        raise CheckpointError("EAGLE-3 head config.json has a transformer_layer_config that is not an object; fix it")
+    return {**layer, **{k: v for k, v in hf.items() if k != "transformer_layer_config"}}
 
 
 def _read_tap_layers(hf: Mapping[str, Any]) -> tuple[int, ...] | None:
@@ -405,7 +428,7 @@ class Eagle3Head(nnx.Module):
 
         Args:
           embed_btd: embeddings of the tokens paired with each row.
-          g_btd: fused target features, or the previous draft step's `out_prenorm`.
+          g_btd: fused target features, or the previous draft step's next g (`readout`).
           positions_bt: int32 rotary positions (drafting row j pairs feature j with token j+1 at position j).
         Returns:
           (q [B, T, N, Hd], k [B, T, K, Hd], v [B, T, K, Hd]).
@@ -421,17 +444,28 @@ class Eagle3Head(nnx.Module):
         return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
 
     def finish(self, g_btd: jax.Array, attn_btnh: jax.Array) -> jax.Array:
-        """o_proj, residual on the raw g, SwiGLU MLP: the midlayer's pre-norm output [B, T, D] (next step's g)."""
+        """o_proj, residual on g, SwiGLU MLP: the midlayer's pre-norm output [B, T, D] (`readout`'s input).
+
+        The residual is the raw g, or hidden_norm(g) when `cfg.norm_before_residual`.
+        """
         eps = self.cfg.rms_norm_eps
-        h1 = g_btd.astype(self.dtype) + jnp.einsum("btnh,nhd->btd", attn_btnh.astype(self.dtype), self.o[...])
+        g = g_btd.astype(self.dtype)
+        residual = rms_norm(g, self.hidden_norm[...], eps) if self.cfg.norm_before_residual else g
+        h1 = residual + jnp.einsum("btnh,nhd->btd", attn_btnh.astype(self.dtype), self.o[...])
         x = rms_norm(h1, self.mlp_norm[...], eps)
         mlp = jax.nn.silu(jnp.einsum("btd,df->btf", x, self.gate[...])) * jnp.einsum("btd,df->btf", x, self.up[...])
         return h1 + jnp.einsum("btf,fd->btd", mlp, self.down[...])
 
-    def logits(self, out_prenorm: jax.Array) -> jax.Array:
-        """Final norm and the reduced lm_head: float32 draft logits [..., Vd]."""
-        h = rms_norm(out_prenorm, self.final_norm[...], self.cfg.rms_norm_eps)
-        return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+    def readout(self, out_prenorm: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Final norm and the reduced lm_head, and what the next draft step reads as g.
+
+        Returns:
+          (float32 draft logits [..., Vd], next g [..., D]: the pre-norm output (EAGLE-3), or the post-norm one when
+          `cfg.norm_output` (EAGLE-3.1)).
+        """
+        normed = rms_norm(out_prenorm, self.final_norm[...], self.cfg.rms_norm_eps)
+        logits = jnp.einsum("...d,dv->...v", normed, self.lm_head[...], preferred_element_type=jnp.float32)
+        return logits, normed if self.cfg.norm_output else out_prenorm
 
     # -- cached inference ------------------------------------------------------------------------------------
 
@@ -455,13 +489,13 @@ class Eagle3Head(nnx.Module):
 
         Args:
           embed_btd: embeddings of the paired tokens (`embed_tokens`).
-          g_btd: `fuse(taps)` for rows backed by target features, else the parent's `out_prenorm`.
+          g_btd: `fuse(taps)` for rows backed by target features, else the parent's next g.
           positions_bt: int32 rotary positions [B, T] (or broadcastable): row j of a prefix pass at j; draft step k
             after row p at p + k.
           cache: the head's KV cache (L = 1); row b attends to its first `lengths[b]` slots.
           new_mask_btt: bool [B, T, T], which new rows each row sees; causal when None (a tree passes ancestors).
         Returns:
-          (draft logits [B, T, Vd] float32, out_prenorm [B, T, D], cache with the new keys/values written).
+          (draft logits [B, T, Vd] float32, next g [B, T, D] (`readout`), cache with the new keys/values written).
         """
         B, T = embed_btd.shape[:2]
         positions_bt = jnp.broadcast_to(positions_bt, (B, T))
@@ -474,8 +508,8 @@ class Eagle3Head(nnx.Module):
         q = q.reshape(B, T, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
         k_cache, v_cache = cache.k[0].astype(k.dtype), cache.v[0].astype(v.dtype)
         attn = attend(q, k_cache, v_cache, k, v, cache_mask, new_mask_btt)
-        out = self.finish(g_btd, attn.reshape(B, T, cfg.num_heads, cfg.head_dim))
-        return self.logits(out), out, cache.write(k[None], v[None])
+        logits, next_g = self.readout(self.finish(g_btd, attn.reshape(B, T, cfg.num_heads, cfg.head_dim)))
+        return logits, next_g, cache.write(k[None], v[None])
 
     # -- vocabularies ----------------------------------------------------------------------------------------
 
