@@ -93,8 +93,8 @@ def reference_ttt(head, embed, rows, taps, Z, K, decay):
                     vs = np.concatenate([values[0][b, mine, kv]] + [values[i][b, t : t + 1, kv] for i in later])
                     p = _softmax(ks @ q[b, t, n] / np.sqrt(Hd))
                     attn[b, t, n] = p @ vs
-        g = np.asarray(head.finish(jnp.asarray(g), jnp.asarray(attn, jnp.float32)))
-        logits = np.asarray(head.logits(jnp.asarray(g)), np.float64)
+        logits, g = head.readout(head.finish(jnp.asarray(g), jnp.asarray(attn, jnp.float32)))
+        logits, g = np.asarray(logits, np.float64), np.asarray(g)
         logp = logits - logits.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         loss_sum, correct, counted = 0.0, 0, 0
