@@ -138,7 +138,8 @@ def test_sources_are_taken_in_turn_a_unit_at_a_time_so_smaller_runs_are_prefixes
         data = load_config(
             None, [f"data.prompts=[{a}, {b}]", "data.eval_prompts=2", f"data.num_prompts={num_prompts}"]
         ).data
-        per_source, held_out = data_module.load_prompts(data, tmp_path / "unused.jsonl")
+        per_source, held_out, dropped = data_module.load_prompts(data, tmp_path / "unused.jsonl", [])
+        assert dropped == 0
         assert held_out == ["a0", "a1"]
         return [[c[0]["content"] for c in source] for source in per_source]
 
@@ -151,13 +152,14 @@ def test_sources_are_taken_in_turn_a_unit_at_a_time_so_smaller_runs_are_prefixes
 
 def test_conversations_resembling_evaluation_prompts_are_dropped(tiny, tmp_path):
     humaneval = humaneval_prompts()[0]
-    prompts = _write(tmp_path / "p.jsonl", [{"prompt": "Held out?"}, {"prompt": humaneval},
-                                            {"prompt": "What is a river delta?"}])  # fmt: skip
+    texts = ["Held out?", humaneval, "What is a river delta?", "Name a lake."]
+    prompts = _write(tmp_path / "p.jsonl", [{"prompt": t} for t in texts])
     data = load_config(None, [f"data.prompts={prompts}", "data.eval_prompts=1", "data.num_prompts=2",
                               "data.max_new_tokens=2"]).data  # fmt: skip
     data_module.regenerate(tiny, data, tmp_path / "d", tmp_path / "store", evaluation=[humaneval])
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
-    assert manifest["dropped_overlapping_evaluation"] == 1 and manifest["samples"] == 1
+    # The dropped conversation's place goes to the next one: the run still trains on data.num_prompts.
+    assert manifest["dropped_overlapping_evaluation"] == 1 and manifest["samples"] == manifest["conversations"] == 2
 
 
 def test_filters():

@@ -42,27 +42,37 @@ UNIT = 256  # conversations per shard: the granularity of resuming and of nested
 Sample = tuple[np.ndarray, np.ndarray]  # (token ids, loss mask)
 
 
-def load_prompts(data: DataSection, synthetic_path: Path) -> tuple[list[list[Conversation]], list[str]]:
-    """(training conversations per source, held-out evaluation prompts).
+def load_prompts(
+    data: DataSection, synthetic_path: Path, evaluation: Sequence[str]
+) -> tuple[list[list[Conversation]], list[str], int]:
+    """(training conversations per source, held-out evaluation prompts, conversations dropped).
 
-    The first `data.eval_prompts` conversations of the first source are held out (their first user turn). The
-    `data.num_prompts` training conversations are taken from the sources in turn, `UNIT` at a time, each source in
-    its own order, so every smaller run is a prefix of a larger one that mixes the sources alike.
+    The first `data.eval_prompts` conversations of the first source are held out (their first user turn).
+    Conversations whose first user turn resembles a held-out or `evaluation` prompt are dropped; of the rest,
+    `data.num_prompts` train, taken from the sources in turn, `UNIT` at a time, each source in its own order. So a
+    smaller run is a prefix of a larger one, with the same mix of sources and the same full units.
     """
     pools = [source_conversations(source, data.seed, synthetic_path) for source in data.prompt_sources]
     held_out = [first_user_text(c) for c in pools[0][: data.eval_prompts]]
     pools[0] = pools[0][data.eval_prompts :]
-    taken, need = [0] * len(pools), data.num_prompts
-    while need and any(t < len(pool) for t, pool in zip(taken, pools)):
+    overlap = NearDuplicates(threshold=None, evaluation=[*evaluation, *held_out])
+    kept: list[list[Conversation]] = [[] for _ in pools]
+    scanned, need = [0] * len(pools), data.num_prompts
+    while need and any(n < len(pool) for n, pool in zip(scanned, pools)):
         for i, pool in enumerate(pools):
-            n = min(UNIT, len(pool) - taken[i], need)
-            taken[i], need = taken[i] + n, need - n
+            goal = len(kept[i]) + min(UNIT, need)
+            while len(kept[i]) < goal and scanned[i] < len(pool):
+                conversation = pool[scanned[i]]
+                scanned[i] += 1
+                if overlap.check(first_user_text(conversation)) != "overlaps evaluation":
+                    kept[i].append(conversation)
+            need = data.num_prompts - sum(map(len, kept))
     if need or len(held_out) < data.eval_prompts:
         raise InputError(
-            f"{', '.join(data.prompt_sources)}: {sum(map(len, pools)) + len(held_out)} prompts, but "
-            f"data.num_prompts + data.eval_prompts = {data.num_prompts + data.eval_prompts}; lower them"
+            f"{', '.join(data.prompt_sources)}: {sum(map(len, kept))} usable prompts besides {len(held_out)} held "
+            f"out, but data.num_prompts + data.eval_prompts = {data.num_prompts + data.eval_prompts}; lower them"
         )
-    return [pool[:t] for pool, t in zip(pools, taken) if t], held_out
+    return [k for k in kept if k], held_out, sum(scanned) - sum(map(len, kept))
 
 
 class _Builder:
@@ -230,16 +240,12 @@ def regenerate(model: LoadedModel, data: DataSection, folder: Path, store_root: 
       store_root: the content-addressed store.
       evaluation: prompts training must not resemble; conversations whose first user turn does are dropped.
     """
-    per_source, held_out = load_prompts(data, folder.parent / "prompts" / "synthetic.jsonl")
+    per_source, held_out, dropped = load_prompts(data, folder.parent / "prompts" / "synthetic.jsonl", evaluation)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "eval_prompts.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"prompt": p}) + "\n" for p in held_out)
-    overlap = NearDuplicates(threshold=None, evaluation=evaluation + held_out)
-    units, dropped = [], 0
-    for conversations in per_source:  # a unit never spans two sources: growing one leaves the others' units alone
-        kept = [c for c in conversations if overlap.check(first_user_text(c)) != "overlaps evaluation"]
-        dropped += len(conversations) - len(kept)
-        units += [kept[i : i + UNIT] for i in range(0, len(kept), UNIT)]
+    # A unit never spans two sources: growing one leaves the others' units alone.
+    units = [kept[i : i + UNIT] for kept in per_source for i in range(0, len(kept), UNIT)]
     store, target = Store(store_root, "responses", ".npz"), target_fingerprint(model)
     settings = [SamplingConfig(temperature=data.temperature)] + [
         SamplingConfig(temperature=data.sample_temperature, top_p=data.sample_top_p)

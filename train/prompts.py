@@ -7,6 +7,7 @@ HumanEval problems; functions named like a HumanEval entry point are dropped so 
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import random
@@ -71,13 +72,39 @@ _EXPLAIN = [
 ]
 
 
+class _Elided:
+    """Stands for a default value that is not a literal: its repr is `...`."""
+
+    def __repr__(self) -> str:
+        return "..."
+
+
+def _is_literal(value) -> bool:
+    try:
+        return ast.literal_eval(repr(value)) == value
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+
+
+def _signature(obj) -> str:
+    """The signature with every default that is not a literal shown as `...`: the repr of an object holds its
+    address, which changes from process to process (and os.environ's holds the environment), so the prompts would
+    differ between runs."""
+    signature = inspect.signature(obj)
+    params = [
+        p if p.default is p.empty or _is_literal(p.default) else p.replace(default=_Elided())
+        for p in signature.parameters.values()
+    ]
+    return str(signature.replace(parameters=params))
+
+
 def _stub(obj) -> str | None:
     """A HumanEval-like prompt: the function's signature and docstring, body left out."""
     doc = inspect.getdoc(obj)
     if not doc or len(doc) < 40 or len(doc) > 1200:
         return None
     try:
-        signature = str(inspect.signature(obj))
+        signature = _signature(obj)
     except (TypeError, ValueError):
         return None
     body = "\n".join(("    " + line) if line else "" for line in doc.splitlines())

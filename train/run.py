@@ -119,7 +119,8 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
     Without it these mistakes surfaced only in the train stage, after a regeneration that may take hours.
     """
     if "regenerate" in stages and "synthesize" not in stages:
-        load_prompts(cfg.data, synthetic_path(cfg))  # a missing or malformed prompts file, or too few prompts
+        # A missing or malformed prompts file, or too few prompts.
+        load_prompts(cfg.data, synthetic_path(cfg), evaluation_prompts())
     else:
         for source in cfg.data.prompt_sources:
             if source not in ("builtin", "synthetic"):
