@@ -278,10 +278,7 @@ def parser() -> cli.ArgumentParser:
         "--num-draft-tokens", type=cli.draft_tokens, default=DEFAULT_DRAFT_TOKENS,
         help="K for the chain modes; 'auto' calibrates K per mode on the first prompt",
     )  # fmt: skip
-    p.add_argument(
-        "--ngram", type=int, default=DEFAULT_NGRAM,
-        help="longest n-gram the ngram mode matches; the tail the ngram-eagle3 mode needs to recur",
-    )  # fmt: skip
+    p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, help="n-gram size of the ngram and ngram-eagle3 modes")
     p.add_argument(
         "--lookup-tokens", type=int, default=None,
         help="ngram-eagle3: tokens the lookup proposes (default K); the head still drafts K",

@@ -232,8 +232,8 @@ def generate(
     drafter: Drafter,
     num_draft_tokens: int,
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
     seed: int = 0,
+    sampling: SamplingConfig = SamplingConfig(),
     eos_ids: Sequence[int] | None = None,
     batch_size: int | None = None,
 ) -> SpecResult:
@@ -249,8 +249,8 @@ def generate(
       num_draft_tokens: K, drafts per round (1..MAX_DRAFT_TOKENS): the drafter's `draft_shape(K)` sets each round's
         draft, a chain of K, or a tree drafter's own tree whatever K.
       max_new_tokens: the most tokens generated per prompt.
-      sampling: greedy by default.
       seed: PRNG seed.
+      sampling: greedy by default.
       eos_ids: tokens that end a row; defaults to the config's EOS ids.
       batch_size: compiled batch size (>= len(prompts)); extra rows are padding. Defaults to len(prompts).
     Returns:

@@ -36,6 +36,11 @@ from specjax.kv_cache import KVCache
 from specjax.models.llama import ArraySpec, apply_rope, attend, rms_norm, rope_inv_freq
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# What a head shaped like one layer of its target takes from the target's config (`Eagle3Config.default_for`).
+LAYER_FIELDS = (
+    "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "max_position_embeddings", "bos_token_id", "eos_token_ids",
+)  # fmt: skip
 
 
 def default_tap_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -127,22 +132,10 @@ class Eagle3Config:
         Returns:
           The head config.
         """
-        t = target_cfg
         return cls(
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_heads=t.num_heads,
-            num_kv_heads=t.num_kv_heads,
-            head_dim=t.head_dim,
-            vocab_size=t.vocab_size,
-            draft_vocab_size=t.vocab_size if draft_vocab_size is None else draft_vocab_size,
-            target_num_layers=t.num_layers,
-            rms_norm_eps=t.rms_norm_eps,
-            rope_theta=t.rope_theta,
-            rope_scaling=t.rope_scaling,
-            max_position_embeddings=t.max_position_embeddings,
-            bos_token_id=t.bos_token_id,
-            eos_token_ids=t.eos_token_ids,
+            **{name: getattr(target_cfg, name) for name in LAYER_FIELDS},
+            draft_vocab_size=target_cfg.vocab_size if draft_vocab_size is None else draft_vocab_size,
+            target_num_layers=target_cfg.num_layers,
         )
 
     @classmethod
