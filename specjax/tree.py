@@ -71,9 +71,9 @@ class TreeSpec:
 
     @property
     def is_chain(self) -> bool:
-        """One child per node (static): the nodes are one path in creation order, so a round verifies them under the
-        plain causal mask, and the accepted path is already contiguous in the cache (nothing to compact)."""
-        return self.topk == 1
+        """One child per node, down to the full depth (static): the nodes are one path in creation order, so a round
+        verifies them under the plain causal mask, and the accepted path is already contiguous in the cache."""
+        return self.topk == 1 and self.budget == self.depth + 1
 
     def validate(self, draft_vocab_size: int | None = None) -> None:
         """Raises InputError for a tree the buffers cannot hold or that cannot be filled."""

@@ -68,11 +68,9 @@ def ar_batch():
 
 def decode(d, prompts, cfg=CFG, weights=WEIGHTS, max_new=MAX_NEW, sampling=SamplingConfig(), seed=0):
     tokens, lengths = pack_prompts(prompts, len(prompts))
-    tree = getattr(d, "tree", None)
-    k = tree.depth if tree is not None else K
     return spec.speculative_decode(
         weights, d, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed),
-        cfg=cfg, sampling=sampling, num_draft_tokens=k, max_new_tokens=max_new, eos_ids=(),
+        cfg=cfg, sampling=sampling, num_draft_tokens=K, max_new_tokens=max_new, eos_ids=(),
     )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from specjax.config import ModelConfig
 from specjax.defaults import DEFAULT_NGRAM
 from specjax.drafters.base import BaseDrafter, Drafter
 from specjax.errors import InputError
+from specjax.tree import TreeSpec
 
 
 @jax.tree_util.register_dataclass
@@ -107,7 +108,7 @@ class LookupFirstDrafter(BaseDrafter):
             raise InputError(f"the n-gram size must be >= 1, got {self.n}")
         if self.fallback_tokens is not None and self.fallback_tokens < 1:
             raise InputError(f"the fallback's draft tokens must be >= 1, got {self.fallback_tokens}")
-        if not self.fallback.draft_shape(1).is_chain:  # a tree drafter's shape is its tree, whatever K
+        if self.fallback.draft_shape(1) != TreeSpec.chain(1):  # a chain drafter's shape follows K, a tree's does not
             raise InputError("lookup-first drafting drafts chains; its fallback cannot draft a tree")
 
     @property
