@@ -13,12 +13,13 @@ Every round drafts a tree (`specjax.tree.DraftTree`) of the static shape `draft_
 tree with one child per node (`TreeSpec.chain(K)`). Chain drafters implement `propose` alone: `BaseDrafter`'s
 `propose_tree` turns its K drafts into that tree.
 
-The rows `commit` receives are the same in every case, after the prefill and after every round: row j holds the
-target's taps at the row's (c + j)-th position and the committed token that follows it, where c is the number of
-positions committed before (0 after the prefill; the pending token's position after a round). The first `count_b`
-rows are newly committed: after the prefill the prompt (the last prompt row's next token is the first sampled one);
-after a round the pending token and the accepted drafts, the last of them followed by the emitted correction or bonus
-token (cut at EOS and at max_new_tokens; 0 rows for a finished row). Rows past `count_b` carry no meaning.
+The rows `commit` receives mean the same in every case, after the prefill and after every round. For batch row b,
+row j holds the target's taps at position c_b + j and the committed token at position c_b + j + 1, where c_b is the
+number of positions the target cache held before (0 after the prefill; the pending token's position after a round).
+The first `count_b` rows are newly committed: after the prefill the prompt (the token after its last position is the
+first sampled one); after a round the pending token and the accepted drafts (the tokens after them are the accepted
+drafts, then the correction or bonus token), cut at EOS and at max_new_tokens (none for a finished row). Rows past
+`count_b` carry no meaning.
 """
 
 from __future__ import annotations
