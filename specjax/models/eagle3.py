@@ -9,7 +9,7 @@ back the post-norm output instead, the vector the lm_head reads; `norm_before_re
 hidden_norm(g) as the residual.
 
 Every method works in fixed shapes and is jit-friendly: split the module with `nnx.split` outside a jit and
-`nnx.merge` it inside (e.g. a `lax.while_loop` body). The layer math lives in `qkv` / `finish` / `logits`, so the
+`nnx.merge` it inside (e.g. a `lax.while_loop` body). The layer math lives in `qkv` / `finish` / `readout`, so the
 cached inference `step` and a full-sequence training (TTT) path share it.
 
 Shape letters: B batch, T new rows, S cache slots, D head hidden size (H in docs/eagle3-head.md), N query heads,
