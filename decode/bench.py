@@ -19,14 +19,9 @@ from tqdm import tqdm
 from decode import cli
 from specjax import speculative
 from specjax.calibrate import drafter_seconds, forward_costs, forward_seconds, round_breakdown
-from specjax.config import SamplingConfig
-from specjax.drafters import (
-    LayerSkipDrafter,
-    LookupFirstDrafter,
-    NgramDrafter,
-    load_eagle3_drafter,
-    with_lookup_tokens,
-)
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.defaults import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM, DEFAULT_TREE
+from specjax.drafters import Drafter, LayerSkipDrafter, drafter_from_spec, with_lookup_tokens
 from specjax.errors import InputError
 from specjax.evalsets import chat_prompts, humaneval_prompts
 from specjax.generate import generate
@@ -123,46 +118,57 @@ def hf_generate(
     return run
 
 
-def specjax_speculative(kind: str) -> Callable[..., Runner]:
-    """Speculative decoding with a drafter; the runner also returns (mean accepted tokens per round, rounds)."""
+@dataclasses.dataclass(frozen=True)
+class SpeculativeRunner:
+    """A speculative mode, prepared: decodes a batch with its drafter (a `Runner` that also returns the `SpecStats`),
+    and tells `add_breakdown` what its rounds verify and draft."""
 
-    def factory(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int, **options):
-        k = options.get("num_draft_tokens", 5)
-        tree = None
-        if kind == "ngram":
-            drafter = NgramDrafter(max_n=options.get("ngram", 3))
-        elif kind in ("eagle3-chain", "eagle3-tree", "ngram-eagle3"):
-            if not options.get("eagle3"):
-                raise InputError(f"mode {kind} needs an EAGLE-3 head folder: --eagle3 PATH")
-            tree = TreeSpec.parse(options.get("tree") or DEFAULT_TREE) if kind == "eagle3-tree" else None
-            drafter = load_eagle3_drafter(options["eagle3"], model.cfg, model.weights.embed, tree)
-            if kind == "ngram-eagle3":
-                drafter = LookupFirstDrafter(drafter, n=options.get("ngram", 3))
-            if tree is not None:
-                k = tree.depth
-        else:
-            layers = options.get("draft_layers") or max(1, model.cfg.num_layers // 4)
-            drafter = LayerSkipDrafter(model.weights, model.cfg, layers)
+    model: LoadedModel
+    drafter: Drafter
+    sampling: SamplingConfig
+    eos: tuple[int, ...]
+    batch_size: int
+    num_draft_tokens: int  # K of the loop: the round's draft is `drafter.draft_shape(K)`
+    draft_steps: int  # drafter steps per round: K, the fallback's K for lookup first, a tree's depth
+
+    def __call__(self, group, max_new_tokens, seed):
+        out = speculative.generate(
+            self.model.weights, self.model.cfg, group, drafter=self.drafter, num_draft_tokens=self.num_draft_tokens,
+            max_new_tokens=max_new_tokens, sampling=self.sampling, seed=seed, eos_ids=self.eos,
+            batch_size=self.batch_size,
+        )  # fmt: skip
+        return [c.output_ids for c in out.completions], out.seconds, out.stats
+
+
+def drafter_spec(mode: str, cfg: ModelConfig, ngram: int, draft_layers: int | None, eagle3: str | None) -> str:
+    """The `drafter_from_spec` spec of a speculative mode, from the bench's options."""
+    if mode in ("eagle3-chain", "eagle3-tree", "ngram-eagle3") and not eagle3:
+        raise InputError(f"mode {mode} needs an EAGLE-3 head folder: --eagle3 PATH")
+    return {
+        "ngram": f"ngram:{ngram}",
+        "layerskip": f"layerskip:{draft_layers or LayerSkipDrafter.default_layers(cfg)}",
+        "eagle3-chain": f"eagle3:{eagle3}",
+        "eagle3-tree": f"eagle3:{eagle3}",
+        "ngram-eagle3": f"ngram:{ngram}+eagle3:{eagle3}",
+    }[mode]
+
+
+def specjax_speculative(mode: str) -> Callable[..., SpeculativeRunner]:
+    """Speculative decoding with the drafter of `mode`, built by `drafter_from_spec`."""
+
+    def prepare(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int, **options):
+        tree = TreeSpec.parse(options["tree"] or DEFAULT_TREE) if mode == "eagle3-tree" else None
+        spec = drafter_spec(mode, model.cfg, options["ngram"], options["draft_layers"], options["eagle3"])
+        drafter = drafter_from_spec(spec, model.weights, model.cfg, tree=tree)
+        k = tree.depth if tree is not None else options["num_draft_tokens"]  # a tree's round is its own
         if k == "auto":
             k = cli.auto_draft_tokens(model, drafter, options["calibration_prompt"], sampling, eos)
-        draft_steps = k
-        if kind == "ngram-eagle3":
-            drafter, k = with_lookup_tokens(drafter, k, options.get("lookup_tokens"))
-        speculative.check_inputs(model.cfg, drafter, k)
+        lookup_tokens = options["lookup_tokens"] if mode == "ngram-eagle3" else None
+        drafter, verified = with_lookup_tokens(drafter, k, lookup_tokens)
+        speculative.check_inputs(model.cfg, drafter, verified)
+        return SpeculativeRunner(model, drafter, sampling, eos, batch_size, verified, draft_steps=k)
 
-        def run(group, max_new_tokens, seed):
-            out = speculative.generate(
-                model.weights, model.cfg, group, drafter=drafter, num_draft_tokens=k, max_new_tokens=max_new_tokens,
-                sampling=sampling, seed=seed, eos_ids=eos, batch_size=batch_size,
-            )  # fmt: skip
-            return [c.output_ids for c in out.completions], out.seconds, out.stats
-
-        run.drafter, run.sampling, run.verified_k = drafter, sampling, k
-        run.num_draft_tokens = draft_steps  # drafter steps per round (tree: depth)
-        run.verify_tokens = tree.budget if tree is not None else k + 1
-        return run
-
-    return factory
+    return prepare
 
 
 MODES: dict[str, Callable[..., Runner]] = {
@@ -176,7 +182,6 @@ MODES: dict[str, Callable[..., Runner]] = {
     "ngram-eagle3": specjax_speculative("ngram-eagle3"),
 }
 SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree", "ngram-eagle3")
-DEFAULT_TREE = "5,3,10"  # depth, top-k, budget (nodes including the root): the fastest of those tried on a 2-core CPU
 
 
 def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int) -> dict[str, ModeRun]:
@@ -210,14 +215,16 @@ def forward_cost_sweep(model: LoadedModel, batch: int, context: int, token_count
     return [{"tokens": t, "ms": 1000 * s, "target_steps": s / step_s} for t, s in zip(token_counts, times)]
 
 
-def add_breakdown(run: ModeRun, runner: Runner, model: LoadedModel, batch: int, context: int) -> None:
+def add_breakdown(run: ModeRun, runner: SpeculativeRunner, batch: int, context: int) -> None:
     """Measures the target's step and verification costs and the drafter's own work at this shape (`batch` rows,
     `context` committed tokens), and splits the mode's rounds with them."""
-    costs = forward_costs(model.weights, model.cfg, batch, context, runner.verify_tokens)
-    drafter_s = drafter_seconds(runner.drafter, model.cfg, batch, context, runner.verified_k, runner.sampling)
+    weights, cfg = runner.model.weights, runner.model.cfg
+    verify_tokens = runner.drafter.draft_shape(runner.num_draft_tokens).budget  # the round's nodes, root included
+    costs = forward_costs(weights, cfg, batch, context, verify_tokens)
+    drafter_s = drafter_seconds(runner.drafter, cfg, batch, context, runner.num_draft_tokens, runner.sampling)
     stats = speculative.SpecStats.from_histogram(run.rounds, run.histogram, sum(run.batch_tokens), 1.0)
     run.breakdown = round_breakdown(
-        costs, sum(run.batch_seconds), run.rounds, stats.mean_accepted, runner.num_draft_tokens, drafter_s
+        costs, sum(run.batch_seconds), run.rounds, stats.mean_accepted, runner.draft_steps, drafter_s
     )
 
 
@@ -268,10 +275,10 @@ def parser() -> cli.ArgumentParser:
     cli.add_sampling_args(p)
     p.add_argument("--modes", default="ar,hf", help=f"comma-separated, from: {', '.join(MODES)}")
     p.add_argument(
-        "--num-draft-tokens", type=cli.draft_tokens, default=5,
+        "--num-draft-tokens", type=cli.draft_tokens, default=DEFAULT_DRAFT_TOKENS,
         help="K for the chain modes; 'auto' calibrates K per mode on the first prompt",
     )  # fmt: skip
-    p.add_argument("--ngram", type=int, default=3, help="longest n-gram the ngram mode matches")
+    p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, help="n-gram size of the ngram and ngram-eagle3 modes")
     p.add_argument(
         "--lookup-tokens", type=int, default=None,
         help="ngram-eagle3: tokens the lookup proposes (default K); the head still drafts K",
@@ -332,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     context = typical_context(groups, args.max_new_tokens)
     for mode in SPECULATIVE_MODES:
         if mode in runs:
-            add_breakdown(runs[mode], runners[mode], model, len(groups[0]), context)
+            add_breakdown(runs[mode], runners[mode], len(groups[0]), context)
     ar = runs.get("ar")
     rows = [runs[m].summary(ar, sampling.greedy) for m in modes]
     sweep = forward_cost_sweep(model, batch_size, context, args.forward_costs) if args.forward_costs else []

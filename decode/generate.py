@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from decode import cli
 from specjax import speculative
+from specjax.defaults import DEFAULT_DRAFT_TOKENS
 from specjax.drafters import SPEC_HELP, drafter_from_spec, with_lookup_tokens
 from specjax.generate import generate
 from specjax.io.models import load_model
@@ -22,7 +23,7 @@ def parser() -> cli.ArgumentParser:
     cli.add_sampling_args(p)
     p.add_argument("--drafter", default="none", help=f"speculative drafter: {SPEC_HELP}")
     p.add_argument(
-        "--num-draft-tokens", type=cli.draft_tokens, default=5,
+        "--num-draft-tokens", type=cli.draft_tokens, default=DEFAULT_DRAFT_TOKENS,
         help="K, draft tokens per round (with --drafter); 'auto' picks K from a short calibration",
     )  # fmt: skip
     p.add_argument(
@@ -62,9 +63,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     prompts = [p for p in prompts for _ in range(args.num_samples)]  # each prompt's samples are adjacent
     prompt_ids = cli.encode_prompts(tok, prompts, args.raw)
     eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(tok.eos_token_ids)))
-    if drafter is not None and args.num_draft_tokens == "auto":
+    if drafter is not None and args.num_draft_tokens == "auto":  # a tree's round is its own: K is its depth
         args.num_draft_tokens = (
-            8 if tree is not None else cli.auto_draft_tokens(model, drafter, prompt_ids[0], sampling, eos)
+            tree.depth if tree is not None else cli.auto_draft_tokens(model, drafter, prompt_ids[0], sampling, eos)
         )
     drafter, verified = with_lookup_tokens(drafter, args.num_draft_tokens, args.lookup_tokens)
     if drafter is not None:

@@ -1,10 +1,9 @@
 """Where the time of a speculative round goes, measured: target step, verification, drafting.
 
 `forward_costs` times the target alone (one token, and K+1 tokens against the same cache; `forward_seconds` any
-token counts); `drafter_seconds` times
-the drafter alone (its commit of a round's verified rows, then its proposal); `round_breakdown` turns a speculative
-run's wall time and statistics into the draft cost ratio c and the speedup the model of `specjax.speedup` predicts
-from them, to set beside the measured speedup.
+token counts); `drafter_seconds` times the drafter alone (its commit of a round's verified rows, then its proposal);
+`round_breakdown` turns a speculative run's wall time and statistics into the draft cost ratio c and the speedup the
+model of `specjax.speedup` predicts from them, to set beside the measured speedup.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters.base import commit_to, extra_slots_of, tap_layers_of
+from specjax.defaults import CALIBRATION_DRAFT_TOKENS
+from specjax.drafters.base import Drafter
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.speedup import acceptance_rate_from_mean, expected_tokens_per_round
@@ -73,35 +73,40 @@ def forward_seconds(
 
 
 def drafter_seconds(
-    drafter, cfg: ModelConfig, batch: int, context: int, num_draft_tokens: int, sampling: SamplingConfig, reps: int = 7
+    drafter: Drafter,
+    cfg: ModelConfig,
+    batch: int,
+    context: int,
+    num_draft_tokens: int,
+    sampling: SamplingConfig,
+    reps: int = 7,
 ) -> float:
-    """Median wall time of a drafter's own work in one round, alone: its commit of the K+1 verified rows (drafters
-    with that hook), then its proposal of K tokens (or its tree), over `context` committed tokens of random text.
+    """Median wall time of a drafter's own work in one round, alone: its commit of a whole path of verified rows,
+    then its proposal of the round's draft, over `context` committed tokens of random text.
 
     Args:
       drafter: any `Drafter`.
       cfg: the target config (vocabulary, width of the taps).
       batch: rows.
       context: committed tokens per row.
-      num_draft_tokens: K (for a tree drafter: its depth).
+      num_draft_tokens: K (its `draft_shape(K)` is the round's draft).
       sampling: the sampling config of the run.
       reps: timed repetitions (after one warm-up).
     """
-    K = num_draft_tokens
-    slots = context + extra_slots_of(drafter, K) + 1
+    shape = drafter.draft_shape(num_draft_tokens)
+    slots = context + shape.capacity
     tokens = jax.random.randint(jax.random.key(0), (batch, slots), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((batch,), context, jnp.int32)
-    taps = len(tap_layers_of(drafter)) * cfg.hidden_size
+    taps = len(drafter.tap_layers) * cfg.hidden_size
     state = drafter.init(tokens[:, :context], lengths, slots)
-    state = commit_to(drafter, state, tokens[:, 1 : context + 1], jnp.ones((batch, context, taps)), lengths)
+    state = drafter.commit(state, tokens[:, 1 : context + 1], jnp.ones((batch, context, taps)), lengths)
+    path = shape.depth + 1
 
     @jax.jit
     def one_round(drafter, state, key):
-        state = commit_to(drafter, state, tokens[:, : K + 1], jnp.ones((batch, K + 1, taps)), jnp.full((batch,), K))
-        if getattr(drafter, "tree", None) is not None:
-            return drafter.propose_tree(state, tokens[:, context], key, sampling)
-        return drafter.propose(
-            state, tokens, lengths + 1, key, num_draft_tokens=K, vocab_size=cfg.vocab_size, sampling=sampling
+        state = drafter.commit(state, tokens[:, :path], jnp.ones((batch, path, taps)), jnp.full((batch,), path - 1))
+        return drafter.propose_tree(
+            state, tokens, lengths + 1, key, shape=shape, vocab_size=cfg.vocab_size, sampling=sampling
         )
 
     return _median_seconds(lambda: one_round(drafter, state, jax.random.key(1)), reps)
@@ -163,12 +168,12 @@ def round_breakdown(
 def choose_num_draft_tokens(
     weights: Weights,
     cfg: ModelConfig,
-    drafter,
+    drafter: Drafter,
     prompt_ids: list[int],
     *,
     sampling,
     eos_ids,
-    probe_k: int = 8,
+    probe_k: int = CALIBRATION_DRAFT_TOKENS,
     max_new_tokens: int = 48,
 ) -> tuple[int, dict]:
     """`--num-draft-tokens auto`: a short speculative run with K = probe_k measures alpha and c, and the speedup

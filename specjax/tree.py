@@ -1,13 +1,17 @@
-"""Dynamic draft trees in fixed shapes: best-first growth, ancestor masks, exact tree acceptance, KV compaction.
+"""Draft trees in fixed shapes: the one draft shape of a round, best-first growth, ancestor masks, KV compaction.
 
-A tree has `budget` nodes per row. Node 0 is the root (the pending token, already committed); nodes are stored in
-creation order, so every parent precedes its children. Growth (EAGLE-2 style, `depth` - 1 expansion rounds after
-the root): the root's children are its top-k (greedy) or k draws without replacement (Gumbel-top-k, temperature
-> 0) from the processed draft distribution; each round then expands the `topk` unexpanded nodes of highest
-cumulative draft log-probability (depth < `depth`) with one batched drafter step, and each of them gets a whole
-sibling group of up to `topk` children while the budget lasts (in score order). Greedy growth gives every expanded
-node its group (up to the tree's capacity) and then keeps the `budget` nodes of highest score, as EAGLE-2 reranks:
-the same drafter steps, a better tree.
+Every round drafts a tree (`DraftTree`) of a static shape (`TreeSpec`). Node 0 is the root (the pending token,
+already committed); nodes are stored in creation order, so every parent precedes its children. A chain of K drafts is
+the tree with one child per node, `TreeSpec.chain(K)`: its nodes are the path itself, so it is verified under the
+causal mask and its accepted path already lies contiguous in the cache. `specjax.acceptance` decides what a round
+keeps, the same way for both.
+
+Growth of a dynamic tree (EAGLE-2 style, `depth` - 1 expansion rounds after the root): the root's children are its
+top-k (greedy) or k draws without replacement (Gumbel-top-k, temperature > 0) from the processed draft distribution;
+each round then expands the `topk` unexpanded nodes of highest cumulative draft log-probability (depth < `depth`)
+with one batched drafter step, and each of them gets a whole sibling group of up to `topk` children while the budget
+lasts (in score order). Greedy growth gives every expanded node its group (up to the tree's capacity) and then keeps
+the `budget` nodes of highest score, as EAGLE-2 reranks: the same drafter steps, a better tree.
 
 Why whole groups, decided when the parent is expanded (and not EAGLE-2's per-node rerank afterwards): recursive
 rejection over siblings is exact only if the number of children a node gets does not depend on those children's own
@@ -15,16 +19,14 @@ sampled values. Here it is fixed when the parent is popped, from scores of nodes
 output is exactly the target's distribution at any temperature (tests/test_eagle3_decoding.py checks it by
 enumeration).
 
-Verification: one target forward over all nodes (positions = pending position + depth, attention = ancestors).
-Greedy accepts the deepest node whose every token equals the target argmax at its parent. Sampling walks from the
-root: the children of the current node are tried in their draw order, child c accepted with min(1, p(c)/q(c)); on
-a rejection p <- normalise(max(0, p - q)) and q <- q without c, renormalised; when all are rejected (or the node is a
-leaf) the next token is drawn from the current p.
+Verification runs one target forward over all nodes (positions = pending position + depth, attention = ancestors);
+the accepted path's KV is then moved into contiguous slots (`compact_path`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -32,18 +34,19 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import SamplingConfig
+from specjax.defaults import MAX_DRAFT_TOKENS, MAX_TREE_NODES, MAX_TREE_TOPK
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
 from specjax.sampling import probabilities, process_logits
 
-MAX_TREE_NODES = 64  # budget limit: one verification forward over this many tokens
-MAX_TREE_TOPK = 16
-
 
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
-    """depth: the deepest draft level; topk: children per expanded node and nodes expanded per round; budget: tree
-    nodes including the root (so budget - 1 drafts are verified per round)."""
+    """The static shape of a round's draft.
+
+    depth: the deepest draft level (the most drafts a round accepts); topk: children per expanded node and nodes
+    expanded per growth round; budget: tree nodes including the root (so budget - 1 drafts are verified per round).
+    """
 
     depth: int
     topk: int
@@ -61,10 +64,21 @@ class TreeSpec:
         spec.validate()
         return spec
 
+    @classmethod
+    def chain(cls, num_draft_tokens: int) -> TreeSpec:
+        """K drafts in a row: the tree with one child per node."""
+        return cls(num_draft_tokens, 1, num_draft_tokens + 1)
+
+    @property
+    def is_chain(self) -> bool:
+        """One child per node, down to the full depth (static): the nodes are one path in creation order, so a round
+        verifies them under the plain causal mask, and the accepted path is already contiguous in the cache."""
+        return self.topk == 1 and self.budget == self.depth + 1
+
     def validate(self, draft_vocab_size: int | None = None) -> None:
         """Raises InputError for a tree the buffers cannot hold or that cannot be filled."""
-        if not 1 <= self.depth <= 32:
-            raise InputError(f"tree depth must be in 1..32, got {self.depth}")
+        if not 1 <= self.depth <= MAX_DRAFT_TOKENS:
+            raise InputError(f"tree depth must be in 1..{MAX_DRAFT_TOKENS}, got {self.depth}")
         if not 1 <= self.topk <= MAX_TREE_TOPK:
             raise InputError(f"tree top-k must be in 1..{MAX_TREE_TOPK}, got {self.topk}")
         if draft_vocab_size is not None and self.topk > draft_vocab_size:
@@ -82,7 +96,10 @@ class TreeSpec:
 
     @property
     def capacity(self) -> int:
-        """The most nodes growth can create: root + k + (depth - 1) rounds of k groups of k."""
+        """The most nodes growth can create: root + k + (depth - 1) rounds of k groups of k (a chain: K + 1).
+
+        A round writes KV for at most this many nodes from the pending token's slot on, so the loop's buffers hold
+        `capacity` slots past the committed text."""
         return 1 + self.topk + (self.depth - 1) * self.topk * self.topk
 
     def grown_nodes(self, sampling: SamplingConfig) -> int:
@@ -93,16 +110,43 @@ class TreeSpec:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftTree:
+    """One round's draft, per row: M nodes in creation order, node 0 the pending token (see the module docstring)."""
+
     tokens: jax.Array  # [B, M] int32 target ids (node 0: the pending token)
     parents: jax.Array  # [B, M] int32 (root: 0)
     depths: jax.Array  # [B, M] int32 (root: 0)
     valid: jax.Array  # [B, M] bool: a real draft (unused slots and zero-probability draws are False)
-    scores: jax.Array  # [B, M] float32 cumulative draft log-probability (-inf when invalid)
+    scores: jax.Array  # [B, M] float32 cumulative draft log-probability (-inf when invalid; growth bookkeeping)
     ancestors: jax.Array  # [B, M, M] bool: ancestors[t, s] = s is t or an ancestor of t
-    children: jax.Array  # [B, M, k] int32 children in draw order, -1 where none
-    expanded: jax.Array  # [B, M] bool
+    children: jax.Array  # [B, M, k] int32 valid children in draw order, then -1
+    expanded: jax.Array  # [B, M] bool (growth bookkeeping)
     draft_probs: jax.Array  # [B, M, Vd] the processed draft distribution each node's children were drawn from
-    vocab_ids: jax.Array  # [Vd] int32 the target id of each column of draft_probs (a draft vocabulary)
+    vocab_ids: jax.Array | None  # [Vd] int32 the target id of each column of draft_probs; None: Vd is the target's V
+
+    @classmethod
+    def chain(cls, root_b: jax.Array, draft_bk: jax.Array, draft_probs_bkv: jax.Array) -> DraftTree:
+        """K drafts in a row as a tree: node i + 1 holds draft i, the only child of node i.
+
+        Args:
+          root_b: int32 [B] the pending token.
+          draft_bk: int32 [B, K] the drafts.
+          draft_probs_bkv: float32 [B, K, V] the distribution each draft was drawn from, over the target vocabulary.
+        """
+        B, K = draft_bk.shape
+        node = jnp.arange(K + 1, dtype=jnp.int32)
+        per_row = functools.partial(jnp.broadcast_to, shape=(B, K + 1))
+        return cls(
+            tokens=jnp.concatenate([root_b[:, None], draft_bk], axis=1),
+            parents=per_row(jnp.maximum(node - 1, 0)),
+            depths=per_row(node),
+            valid=jnp.ones((B, K + 1), bool),
+            scores=jnp.zeros((B, K + 1), jnp.float32),
+            ancestors=jnp.broadcast_to(node[:, None] >= node[None, :], (B, K + 1, K + 1)),
+            children=per_row(jnp.where(node < K, node + 1, -1))[..., None],
+            expanded=per_row(node < K),
+            draft_probs=jnp.concatenate([draft_probs_bkv, jnp.zeros_like(draft_probs_bkv[:, :1])], axis=1),  # leaf
+            vocab_ids=None,
+        )
 
 
 def draw_children(
@@ -259,26 +303,8 @@ def best_nodes(tree: DraftTree, m: int) -> DraftTree:
     )
 
 
-def greedy_tree_accept(tree: DraftTree, target_logits_bmv: jax.Array, depth: int):
-    """Greedy: the deepest node whose path matches the target's argmax at every parent.
-
-    Returns:
-      (accepted drafts n [B], next token [B] (the target argmax after the last accepted node), path [B, depth + 1]
-      node indices of the accepted path (entries past n repeat the last accepted node)).
-    """
-    argmax = jnp.argmax(target_logits_bmv, axis=-1).astype(jnp.int32)  # [B, M]
-    match = tree.valid & (tree.tokens == jnp.take_along_axis(argmax, tree.parents, axis=1))
-    ok = jnp.zeros_like(match).at[:, 0].set(True)
-    for d in range(1, depth + 1):
-        ok = ok | ((tree.depths == d) & match & jnp.take_along_axis(ok, tree.parents, axis=1))
-    n = jnp.max(jnp.where(ok, tree.depths, 0), axis=1)
-    last = jnp.argmax(ok & (tree.depths == n[:, None]), axis=1).astype(jnp.int32)
-    nxt = jnp.take_along_axis(argmax, last[:, None], axis=1)[:, 0]
-    return n, nxt, path_to(tree, last, n, depth)
-
-
 def path_to(tree: DraftTree, last_b: jax.Array, n_b: jax.Array, depth: int) -> jax.Array:
-    """[B, depth + 1] the nodes on the path root -> last (last at index n, repeated after it)."""
+    """[B, depth + 1] the nodes on the path root -> last_b, a node at depth n_b (last at index n, repeated after it)."""
     path = jnp.broadcast_to(last_b[:, None], (last_b.shape[0], depth + 1))
     cur = last_b
     for d in range(depth, -1, -1):
@@ -288,73 +314,13 @@ def path_to(tree: DraftTree, last_b: jax.Array, n_b: jax.Array, depth: int) -> j
     return path
 
 
-def tree_accept(key: jax.Array, tree: DraftTree, target_probs_bmv: jax.Array, depth: int):
-    """Exact recursive rejection over the tree with the draft's real probabilities (temperature > 0).
-
-    Returns:
-      (accepted drafts n [B], next token [B], path [B, depth + 1]) as `greedy_tree_accept`.
-    """
-    return _recursive_rejection(key, tree, target_probs_bmv, depth)
-
-
-def _recursive_rejection(key, tree: DraftTree, target_probs_bmv, depth: int, *, residual: bool = True):
-    """`tree_accept`; residual=False is a deliberately wrong variant for tests: after the siblings are rejected the
-    next token is drawn from the target's distribution instead of the residual."""
-    B, M, V = target_probs_bmv.shape
-    k = tree.children.shape[-1]
-    rows = jnp.arange(B)
-    u_all = jax.random.uniform(jax.random.fold_in(key, 0), (depth + 1, k, B))
-    k_final = jax.random.fold_in(key, 1)
-
-    def level(d, carry):
-        u, n, alive, nxt, p_final = carry
-        p = target_probs_bmv[rows, u]
-        q = jnp.zeros((B, V), jnp.float32).at[:, tree.vocab_ids].set(tree.draft_probs[rows, u])
-        chosen = jnp.full((B,), -1, jnp.int32)
-        for i in range(k):
-            c = tree.children[rows, u, i]
-            exists = alive & (chosen < 0) & (c >= 0)
-            cc = jnp.maximum(c, 0)
-            exists = exists & tree.valid[rows, cc]
-            tok = tree.tokens[rows, cc]
-            pc = p[rows, tok]
-            qc = q[rows, tok]
-            accept = exists & (u_all[d, i] * qc < pc)
-            chosen = jnp.where(accept, c, chosen)
-            reject = (exists & ~accept)[:, None]
-            resid = jnp.maximum(p - q, 0.0)
-            total = jnp.sum(resid, axis=-1, keepdims=True)
-            resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p)
-            q_wo = q.at[rows, tok].set(0.0)
-            q_total = jnp.sum(q_wo, axis=-1, keepdims=True)
-            q_wo = jnp.where(q_total > 0, q_wo / jnp.where(q_total > 0, q_total, 1.0), q_wo)
-            p = jnp.where(reject, resid, p)
-            q = jnp.where(reject, q_wo, q)
-        stop = alive & (chosen < 0)
-        p_final = jnp.where(stop[:, None], p if residual else target_probs_bmv[rows, u], p_final)
-        n = jnp.where(alive & (chosen >= 0), n + 1, n)
-        u = jnp.where(alive & (chosen >= 0), chosen, u)
-        return u, n, alive & (chosen >= 0), nxt, p_final
-
-    init = (
-        jnp.zeros((B,), jnp.int32),
-        jnp.zeros((B,), jnp.int32),
-        jnp.ones((B,), bool),
-        jnp.zeros((B,), jnp.int32),
-        jnp.zeros((B, V), jnp.float32),
-    )
-    u, n, alive, _, p_final = jax.lax.fori_loop(0, depth + 1, level, init)
-    nxt = jax.random.categorical(k_final, jnp.log(p_final), axis=-1).astype(jnp.int32)
-    return n, nxt, path_to(tree, u, n, depth)
-
-
 def compact_path(cache: KVCache, base_b: jax.Array, path_bd: jax.Array) -> KVCache:
     """Moves the KV of the accepted path's nodes (written at slots base + node) to slots base + depth.
 
     Args:
       cache: the target cache after the tree forward (lengths = base).
       base_b: int32 [B] the slot of the root.
-      path_bd: int32 [B, D + 1] path node indices (`greedy_tree_accept` / `tree_accept`).
+      path_bd: int32 [B, D + 1] the accepted path's nodes (`path_to`).
     Returns:
       The cache with slots base + arange(D + 1) holding the path (lengths unchanged).
     """

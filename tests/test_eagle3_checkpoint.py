@@ -16,7 +16,7 @@ from specjax.errors import CheckpointError, UnsupportedModelError
 from specjax.io.eagle3_checkpoint import check_eagle3, head_to_hf, hf_tensor_specs, load_eagle3, save_eagle3
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head, param_specs, vocab_map_from_ids
 
-# Llama-3.1-8B and its published head (EAGLE3.md section 6), written out by hand from the spec.
+# Llama-3.1-8B and its published head (docs/eagle3-head.md, section 6), written out by hand from the spec.
 LLAMA31_8B = ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                          num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0)  # fmt: skip
 PUBLISHED_CONFIG = {

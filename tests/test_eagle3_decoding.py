@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import specjax.speculative as spec
+from specjax import acceptance
 from specjax import tree as tree_mod
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.drafters import Eagle3Drafter, LookupFirstDrafter, drafter_from_spec, with_lookup_tokens
@@ -67,11 +68,9 @@ def ar_batch():
 
 def decode(d, prompts, cfg=CFG, weights=WEIGHTS, max_new=MAX_NEW, sampling=SamplingConfig(), seed=0):
     tokens, lengths = pack_prompts(prompts, len(prompts))
-    tree = getattr(d, "tree", None)
-    k = tree.depth if tree is not None else K
     return spec.speculative_decode(
         weights, d, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed),
-        cfg=cfg, sampling=sampling, num_draft_tokens=k, max_new_tokens=max_new, eos_ids=(),
+        cfg=cfg, sampling=sampling, num_draft_tokens=K, max_new_tokens=max_new, eos_ids=(),
     )  # fmt: skip
 
 
@@ -215,10 +214,14 @@ def test_sampling_matches_the_target_distribution(mode, sampling):
     assert stats.acceptance_by_position[0] > 0.15  # the drafts were really tested, not all rejected
 
 
+def draw_from_the_target_after_rejections(monkeypatch):
+    """The wrong sibling rule: after a rejection the target's distribution stands, not the residual."""
+    monkeypatch.setattr(acceptance, "residual_probs", lambda target_probs, draft_probs: target_probs)
+
+
 def test_wrong_sibling_rule_misses_the_target_distribution(exact_joint, monkeypatch):
     """Drawing the correction from the target's distribution instead of the residual after rejections is biased."""
-    wrong = functools.partial(tree_mod._recursive_rejection, residual=False)
-    monkeypatch.setattr(spec, "tree_accept", wrong)
+    draw_from_the_target_after_rejections(monkeypatch)
     d = drafter(SMALL_TREE, SMALL_HEAD, SMALL_WEIGHTS)
     emp, _ = empirical_joint(d, max_new=4)  # another shape: a fresh trace with the wrong rule
     tv = total_variation(emp, exact_joint)
@@ -226,7 +229,7 @@ def test_wrong_sibling_rule_misses_the_target_distribution(exact_joint, monkeypa
     assert tv > TV_BOUND
 
 
-def test_recursive_rejection_is_exact_for_one_node():
+def test_recursive_rejection_is_exact_for_one_node(monkeypatch):
     """One node, three siblings drawn without replacement: the output law equals the target's (enumeration-free
     check with many vmapped rows)."""
     V, k, B = 6, 3, 200_000
@@ -249,12 +252,11 @@ def test_recursive_rejection_is_exact_for_one_node():
         vocab_ids=jnp.arange(V, dtype=jnp.int32),
     )
     p_all = jnp.broadcast_to(target, (B, M, V))
-    for fn, exact in (
-        (tree_mod.tree_accept, True),
-        (functools.partial(tree_mod._recursive_rejection, residual=False), False),
-    ):
-        n, nxt, path = fn(key_a, t, p_all, 1)
-        first = jnp.where(n > 0, jnp.take_along_axis(t.tokens, path[:, 1:2], 1)[:, 0], nxt)
+    for exact in (True, False):
+        if not exact:
+            draw_from_the_target_after_rejections(monkeypatch)
+        n, nxt, last = acceptance.recursive_rejection(key_a, t, p_all)
+        first = jnp.where(n > 0, jnp.take_along_axis(t.tokens, last[:, None], 1)[:, 0], nxt)
         emp = np.bincount(np.asarray(first), minlength=V) / B
         tv = total_variation(emp, np.asarray(target))
         assert (tv < 0.01) == exact, (tv, exact)

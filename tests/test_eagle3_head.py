@@ -1,4 +1,5 @@
-"""EAGLE-3 head forward: parity with an independent PyTorch implementation written from EAGLE3.md section 2."""
+"""EAGLE-3 head forward: parity with an independent PyTorch implementation written from docs/eagle3-head.md,
+section 2."""
 
 import dataclasses
 

@@ -9,13 +9,16 @@ import numpy as np
 import pytest
 
 import specjax.speculative as spec
+from specjax import acceptance
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
+from specjax.drafters import BaseDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
 from specjax.errors import InputError
 from specjax.generate import generate as ar_generate
 from specjax.generate import pack_prompts
 from specjax.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
+from specjax.sampling import probabilities
+from specjax.tree import DraftTree
 
 CFG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
 WEIGHTS = init_weights(CFG, jax.random.key(0), scale=0.3)
@@ -131,15 +134,12 @@ SAMPLES = 32768
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ClaimedProbs:
+class ClaimedProbs(BaseDrafter):
     """Samples drafts from its model but reports other draft_probs: "one_hot" (the draft as certain — still exact,
     it only accepts less) or "uniform" (not the distribution the draft came from — broken)."""
 
     inner: ModelDrafter
     claim: str = dataclasses.field(metadata=dict(static=True))
-
-    def validate(self, target_cfg, k):
-        pass
 
     def init(self, *a):
         return self.inner.init(*a)
@@ -163,7 +163,7 @@ def exact_joint(sampling):
     logits, _, _ = jax.jit(forward, static_argnums=1)(
         TOY_TARGET, TOY, jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(T), (B, T)), KVCache.empty(TOY, B, T)
     )
-    probs = np.asarray(spec.probabilities(logits, sampling), np.float64).reshape(V, V, T, V)
+    probs = np.asarray(probabilities(logits, sampling), np.float64).reshape(V, V, T, V)
     p1 = probs[0, 0, 1]  # [V]
     p2 = probs[:, 0, 2]  # [t1, V]
     p3 = probs[:, :, 3]  # [t1, t2, V]
@@ -219,7 +219,7 @@ def test_broken_rules_miss_the_target_distribution(monkeypatch):
     liar = sampled_joint(sampling, ClaimedProbs(TOY_DRAFT, "uniform"))
     assert tv(liar, exact) > 2 * bound, (tv(liar, exact), bound)
     # 2. Resampling from the target after a rejection instead of the residual max(0, target - draft).
-    monkeypatch.setattr(spec, "residual_probs", lambda target_probs, draft_probs: target_probs)
+    monkeypatch.setattr(acceptance, "residual_probs", lambda target_probs, draft_probs: target_probs)
     spec.speculative_decode.clear_cache()  # jit caches traces per function: retrace with the broken rule
     try:
         wrong = sampled_joint(sampling, TOY_DRAFT)
@@ -228,18 +228,25 @@ def test_broken_rules_miss_the_target_distribution(monkeypatch):
     assert tv(wrong, exact) > 2 * bound, (tv(wrong, exact), bound)
 
 
+def chain(draft_tokens_bk, draft_probs_bkv):
+    """The drafts as a round's draft tree, after a pending token 0."""
+    return DraftTree.chain(jnp.zeros(draft_tokens_bk.shape[:1], jnp.int32), draft_tokens_bk, draft_probs_bkv)
+
+
 def test_acceptance_rules_on_fixed_distributions():
     target = jnp.array([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]])  # [B=1, K+1=2, V=3]
     draft = jnp.array([[[0.0, 0.0, 1.0]]])  # the draft proposes token 2, which the target never emits
-    n, nxt = spec.speculative_accept(jax.random.key(0), jnp.array([[2]]), draft, target)
+    n, nxt, _ = acceptance.recursive_rejection(jax.random.key(0), chain(jnp.array([[2]]), draft), target)
     assert int(n[0]) == 0 and int(nxt[0]) in (0, 1)
     same = jnp.array([[[0.5, 0.5, 0.0]]])
     keys = jax.random.split(jax.random.key(1), 200)
-    ns, _ = jax.jit(jax.vmap(lambda k: spec.speculative_accept(k, jnp.array([[1]]), same, target)))(keys)
+    accepted = jax.vmap(lambda k: acceptance.recursive_rejection(k, chain(jnp.array([[1]]), same), target)[0])
+    ns = jax.jit(accepted)(keys)
     assert np.all(np.asarray(ns) == 1)  # draft == target: always accepted, bonus drawn from the last position
-    np.testing.assert_allclose(spec.residual_probs(target[:, 0], draft[:, 0]), [[0.5, 0.5, 0.0]])
-    np.testing.assert_allclose(spec.residual_probs(same[:, 0], same[:, 0]), same[:, 0])  # 0 residual: defined
-    n, nxt = spec.greedy_accept(jnp.array([[4, 7, 9], [4, 2, 9]]), jnp.array([[4, 7, 9, 3], [4, 7, 9, 3]]))
+    np.testing.assert_allclose(acceptance.residual_probs(target[:, 0], draft[:, 0]), [[0.5, 0.5, 0.0]])
+    np.testing.assert_allclose(acceptance.residual_probs(same[:, 0], same[:, 0]), same[:, 0])  # 0 residual: defined
+    drafts = jnp.array([[4, 7, 9], [4, 2, 9]])
+    n, nxt, _ = acceptance.greedy_accept(chain(drafts, jax.nn.one_hot(drafts, 10)), jnp.array([[4, 7, 9, 3]] * 2))
     assert n.tolist() == [3, 1] and nxt.tolist() == [3, 7]
 
 

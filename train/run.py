@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from decode.cli import read_prompts_file
 from specjax import speculative
+from specjax.defaults import EVAL_DRAFT_TOKENS, EVAL_TREE
 from specjax.drafters import Eagle3Drafter
 from specjax.errors import InputError
 from specjax.evalsets import chat_prompts, humaneval_prompts
@@ -229,10 +230,6 @@ def stage_train(cfg: TrainConfig, model: LoadedModel) -> None:
     train(trainer, BatchSource(rows, t.batch_size, t.seed), cfg.output_path / "train", stop_after=t.stop_after)
 
 
-EVAL_DRAFT_TOKENS = 5
-EVAL_TREE = "5,4,24"  # depth, top-k, budget
-
-
 def evaluation_set(cfg: TrainConfig, name: str) -> list[str]:
     if name == "heldout":
         return read_prompts_file(cfg.output_path / "data" / "eval_prompts.jsonl")
@@ -241,7 +238,8 @@ def evaluation_set(cfg: TrainConfig, name: str) -> list[str]:
 
 def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
     """Mean accepted length (tokens per target forward, bonus included) of the latest checkpoint on each evaluation
-    set, by greedy speculative decoding with chain (K = 5) and tree drafting; written to eval.json."""
+    set, by greedy speculative decoding with chain (K = EVAL_DRAFT_TOKENS) and tree (EVAL_TREE) drafting; written to
+    eval.json."""
     trainer = build_trainer(cfg, model)
     manager = checkpoint_manager(trainer, cfg.output_path / "train")
     state = restore_latest(trainer, manager)
@@ -258,18 +256,17 @@ def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
         result = {"prompts": len(ids)}
         for name, tree in (("chain", None), ("tree", TreeSpec.parse(EVAL_TREE))):
             drafter = Eagle3Drafter.create(head, model.weights.embed, tree)
-            k = tree.depth if tree else EVAL_DRAFT_TOKENS
             hist = None
             for prompt in tqdm(ids, desc=f"evaluate {set_name} {name}", file=sys.stderr):
                 out = speculative.generate(
-                    model.weights, model.cfg, [prompt], drafter=drafter, num_draft_tokens=k, max_new_tokens=max_new,
-                    eos_ids=eos,
+                    model.weights, model.cfg, [prompt], drafter=drafter, num_draft_tokens=EVAL_DRAFT_TOKENS,
+                    max_new_tokens=max_new, eos_ids=eos,
                 )  # fmt: skip
                 h = out.stats.accepted_histogram
                 hist = h if hist is None else [a + b for a, b in zip(hist, h)]
             stats = speculative.SpecStats.from_histogram(sum(hist), hist, 0, 1.0)
             result[name] = {
-                "drafts": f"K={k}" if tree is None else f"tree {EVAL_TREE}",
+                "drafts": f"K={EVAL_DRAFT_TOKENS}" if tree is None else f"tree {EVAL_TREE}",
                 "mean_accepted": stats.mean_accepted,
                 "acceptance_by_position": stats.acceptance_by_position,
             }

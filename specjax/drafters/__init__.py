@@ -1,4 +1,5 @@
-"""Drafters for the speculative loop, behind one small protocol (`Drafter`): the loop never knows which it runs.
+"""Drafters for the speculative loop, behind one protocol (`Drafter`, defaults in `BaseDrafter`): the loop never
+knows which it runs.
 
 - `NgramDrafter`: prompt lookup over prompt + generated text (one-hot draft_probs).
 - `LayerSkipDrafter`: the target's first N layers + final norm + LM head.
@@ -12,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specjax.config import ModelConfig
-from specjax.drafters.base import Drafter, DrafterHooks, commit_to, draw, tap_layers_of
+from specjax.defaults import DEFAULT_NGRAM
+from specjax.drafters.base import BaseDrafter, Drafter, draw
 from specjax.drafters.eagle3 import Eagle3Drafter, Eagle3State, load_eagle3_drafter
 from specjax.drafters.model import LayerSkipDrafter, ModelDrafter, ModelDraftState
 from specjax.drafters.ngram import (
@@ -27,8 +29,8 @@ from specjax.models.llama import Weights
 from specjax.tree import TreeSpec
 
 __all__ = [
+    "BaseDrafter",
     "Drafter",
-    "DrafterHooks",
     "Eagle3Drafter",
     "Eagle3State",
     "LayerSkipDrafter",
@@ -36,20 +38,18 @@ __all__ = [
     "ModelDraftState",
     "ModelDrafter",
     "NgramDrafter",
-    "commit_to",
     "draw",
-    "load_eagle3_drafter",
-    "tap_layers_of",
     "drafter_from_spec",
+    "load_eagle3_drafter",
     "ngram_lookup",
     "ngram_proposal",
     "with_lookup_tokens",
 ]
 
 SPEC_HELP = (
-    "none, ngram[:N] (N = longest n-gram, default 3), layerskip:N (first N layers), model:PATH, "
+    f"none, ngram[:N] (N = longest n-gram, default {DEFAULT_NGRAM}), layerskip:N (first N layers), model:PATH, "
     "eagle3:PATH (an EAGLE-3 head folder, or eagle3:smollm2-135m for the built-in head; with --tree for tree "
-    "drafting), or ngram+SPEC (prompt lookup where the text repeats, the chain drafter SPEC elsewhere)"
+    "drafting), or ngram[:N]+SPEC (prompt lookup where the last N tokens recur, the chain drafter SPEC elsewhere)"
 )
 
 
@@ -70,8 +70,8 @@ def drafter_from_spec(
     """Builds a drafter from a command-line spec.
 
     Args:
-      spec: "none", "ngram", "ngram:N", "layerskip:N", "model:PATH", "eagle3:PATH" or "ngram+" and one of the
-        others (lookup first, that drafter elsewhere).
+      spec: "none", "ngram", "ngram:N", "layerskip:N", "model:PATH", "eagle3:PATH", or "ngram+" / "ngram:N+" and
+        one of the others (lookup first where the last N tokens recur, that drafter elsewhere).
       weights, cfg: the target model (layer-skip drafts with its own weights; EAGLE-3 shares its embedding).
       load: for "model:PATH", returns (cfg, weights) of the checkpoint at PATH.
       tree: for "eagle3:PATH", draft a dynamic tree of this shape instead of a chain.
@@ -79,13 +79,15 @@ def drafter_from_spec(
       The drafter, or None for "none". Raises InputError on a malformed spec or a value out of range, and
       CheckpointError for an EAGLE-3 head that is missing, corrupt or made for another target.
     """
-    if spec.strip().startswith("ngram+"):
+    lookup, plus, fallback_spec = spec.strip().partition("+")
+    lookup_kind, _, lookup_arg = lookup.partition(":")
+    if plus and lookup_kind == "ngram":
         if tree is not None:
             raise InputError("lookup-first drafting (ngram+SPEC) drafts chains; drop --tree")
-        fallback = drafter_from_spec(spec.strip().removeprefix("ngram+"), weights, cfg, load)
+        fallback = drafter_from_spec(fallback_spec, weights, cfg, load)
         if fallback is None:
             raise InputError("ngram+SPEC needs a fallback drafter, e.g. ngram+eagle3:smollm2-135m")
-        return LookupFirstDrafter(fallback)
+        return LookupFirstDrafter(fallback, n=_int(lookup_arg, "the n-gram size") if lookup_arg else DEFAULT_NGRAM)
     kind, _, arg = spec.strip().partition(":")
     if tree is not None and kind != "eagle3":
         raise InputError("tree drafting (--tree) needs an EAGLE-3 head: --drafter eagle3:PATH")
@@ -96,10 +98,10 @@ def drafter_from_spec(
     if kind == "none" and not arg:
         return None
     if kind == "ngram":
-        return NgramDrafter(max_n=_int(arg, "the n-gram size") if arg else 3)
+        return NgramDrafter(max_n=_int(arg, "the n-gram size") if arg else DEFAULT_NGRAM)
     if kind == "layerskip":
         if not arg:
-            raise InputError(f"layerskip needs a layer count, e.g. layerskip:{max(1, cfg.num_layers // 4)}")
+            raise InputError(f"layerskip needs a layer count, e.g. layerskip:{LayerSkipDrafter.default_layers(cfg)}")
         return LayerSkipDrafter(weights, cfg, _int(arg, "the layer-skip layer count"))
     if kind == "model":
         if not arg or load is None:

@@ -1,20 +1,25 @@
-"""The drafter protocol: what the speculative loop asks of a drafter, and nothing more.
+"""The drafter protocol: every hook the speculative loop calls (`Drafter`), and their defaults (`BaseDrafter`).
 
 A drafter is a pytree (its arrays are leaves, its options static), so it is passed into the loop's jit as an
-argument. Inside the jit the loop calls `init` once and `propose` once per round; both run in fixed shapes.
+argument. On the host the loop calls `validate`; inside the jit it reads `tap_layers` and `draft_shape(K)` (static),
+calls `init` and `commit` once after the prefill, then, every round, `propose_tree` and, after the verification,
+`commit`. Everything inside the jit runs in fixed shapes.
 
 The loop keeps every row's committed text in a token buffer `tokens_bs` (prompt, then generated tokens) with
 `length_b` committed tokens per row. The last committed token (`tokens_bs[b, length_b - 1]`) is "pending": the target
-has not run on it yet, and it is the first token of the next verification.
+has not run on it yet, and it is the root of the next round's draft.
 
-Two optional hooks serve drafters that read the target's hidden states (EAGLE-3); `DrafterHooks` gives their
-defaults, and `tap_layers_of` / `commit_to` apply them to any drafter, so drafters without them work unchanged:
-- `tap_layers` (static tuple, default ()): target layers whose input residual stream the loop returns from the
-  prefill and from every verification forward.
-- `commit(state, next_tokens_bt, taps_btf, count_b) -> state`: called right after the prefill with the prompt rows
-  (row j's next token is x[j+1]; the last prompt row's is the first sampled token; count = prompt lengths) and after
-  every verification with the verified rows (next tokens [d_1 .. d_K] with the emitted token at index n; count =
-  tokens committed). Row j of `taps_btf` is the target's taps at the j-th committed-or-verified position.
+Every round drafts a tree (`specjax.tree.DraftTree`) of the static shape `draft_shape(K)`; a chain of K drafts is the
+tree with one child per node (`TreeSpec.chain(K)`). Chain drafters implement `propose` alone: `BaseDrafter`'s
+`propose_tree` turns its K drafts into that tree.
+
+The rows `commit` receives mean the same in every case, after the prefill and after every round. For batch row b,
+row j holds the target's taps at position c_b + j and the committed token at position c_b + j + 1, where c_b is the
+number of positions the target cache held before (0 after the prefill; the pending token's position after a round).
+The first `count_b` rows are newly committed: after the prefill the prompt (the token after its last position is the
+first sampled one); after a round the pending token and the accepted drafts (the tokens after them are the accepted
+drafts, then the correction or bonus token), cut at EOS and at max_new_tokens (none for a finished row). Rows past
+`count_b` carry no meaning.
 """
 
 from __future__ import annotations
@@ -26,17 +31,36 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.sampling import probabilities
+from specjax.tree import DraftTree, TreeSpec
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes K draft tokens per row and the distribution each was drawn from."""
+    """Drafts each round's tokens, with the distribution each was drawn from."""
+
+    tap_layers: tuple[int, ...]
+    """Static ids of the target layers whose input residual stream the loop returns from the prefill and every
+    verification forward (EAGLE-3); () for drafters that do not read the target's hidden states."""
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         """Raises InputError when this drafter cannot serve `target_cfg` (host side, before compiling)."""
 
+    def draft_shape(self, num_draft_tokens: int) -> TreeSpec:
+        """The static shape of a round's draft when the caller asks for K drafts: a chain of K, or a tree drafter's own
+        tree (whose depth, not K, bounds the drafts a round accepts)."""
+
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> Any:
         """The drafter's state (a pytree) after seeing the right-padded prompts [B, P] (inside the jit)."""
+
+    def commit(self, state: Any, next_tokens_bt: jax.Array, taps_btf: jax.Array | None, count_b: jax.Array) -> Any:
+        """Sees the rows the loop committed (inside the jit) and returns the new state.
+
+        Args:
+          state: the drafter's state.
+          next_tokens_bt: int32 [B, T] the committed token that follows each row's position (module docstring).
+          taps_btf: [B, T, len(tap_layers) * D] the target's taps at those positions; None without tap layers.
+          count_b: int32 [B] rows newly committed.
+        """
 
     def propose(
         self,
@@ -49,10 +73,10 @@ class Drafter(Protocol):
         vocab_size: int,
         sampling: SamplingConfig,
     ) -> tuple[jax.Array, jax.Array, Any]:
-        """Drafts the next K tokens of each row (inside the jit).
+        """Drafts the next K tokens of each row as a chain (inside the jit).
 
         Args:
-          state: the drafter's state from `init` or the previous `propose`.
+          state: the drafter's state from `init`, `commit` or the previous proposal.
           tokens_bs: int32 [B, S] committed tokens (slots >= length_b hold stale values).
           length_b: int32 [B] committed tokens per row (>= 2: the prompt plus at least one generated token).
           key: PRNG key for sampling the drafts.
@@ -63,6 +87,52 @@ class Drafter(Protocol):
           (draft tokens int32 [B, K], draft_probs float32 [B, K, V] — the exact distribution each draft token was
           drawn from, state).
         """
+
+    def propose_tree(
+        self,
+        state: Any,
+        tokens_bs: jax.Array,
+        length_b: jax.Array,
+        key: jax.Array,
+        *,
+        shape: TreeSpec,
+        vocab_size: int,
+        sampling: SamplingConfig,
+    ) -> tuple[DraftTree, Any]:
+        """Drafts the round's tree of `shape` (= `draft_shape(K)`), rooted at each row's pending token (inside the jit).
+
+        Args as `propose`, with `shape` in place of K. Returns (draft tree, state).
+        """
+
+
+class BaseDrafter:
+    """The defaults of `Drafter`'s hooks, for a drafter that implements `propose` (subclasses must): chains of K
+    drafts, no taps, nothing to check, no state, nothing to commit."""
+
+    tap_layers: tuple[int, ...] = ()
+
+    def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
+        """Serves any target."""
+
+    def draft_shape(self, num_draft_tokens: int) -> TreeSpec:
+        """A chain of K drafts."""
+        return TreeSpec.chain(num_draft_tokens)
+
+    def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> Any:
+        """No state."""
+        return ()
+
+    def commit(self, state: Any, next_tokens_bt: jax.Array, taps_btf: jax.Array | None, count_b: jax.Array) -> Any:
+        """Keeps the state."""
+        return state
+
+    def propose_tree(self, state, tokens_bs, length_b, key, *, shape: TreeSpec, vocab_size: int, sampling):
+        """The chain of `propose`'s K = shape.depth drafts, as a tree."""
+        draft_bk, draft_probs_bkv, state = self.propose(
+            state, tokens_bs, length_b, key, num_draft_tokens=shape.depth, vocab_size=vocab_size, sampling=sampling
+        )
+        pending_b = jnp.take_along_axis(tokens_bs, (length_b - 1)[:, None], axis=1)[:, 0]
+        return DraftTree.chain(pending_b, draft_bk, draft_probs_bkv), state
 
 
 def draw(key: jax.Array, logits_bv: jax.Array, sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
@@ -75,30 +145,3 @@ def draw(key: jax.Array, logits_bv: jax.Array, sampling: SamplingConfig) -> tupl
     if sampling.greedy:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32), probs
     return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32), probs
-
-
-class DrafterHooks:
-    """Default optional hooks (mix in, or rely on `tap_layers_of` / `commit_to`): no taps, commit does nothing."""
-
-    tap_layers: tuple[int, ...] = ()
-
-    def commit(self, state: Any, next_tokens_bt: jax.Array, taps_btf: jax.Array | None, count_b: jax.Array) -> Any:
-        """Sees the rows the loop committed (see the module docstring); returns the new drafter state."""
-        return state
-
-
-def tap_layers_of(drafter: Any) -> tuple[int, ...]:
-    """The target layers a drafter wants tapped (static); () for drafters without the hook."""
-    return tuple(getattr(drafter, "tap_layers", ()) or ())
-
-
-def extra_slots_of(drafter: Any, num_draft_tokens: int) -> int:
-    """KV slots a drafter needs past the committed text: its `extra_slots(K)` hook, else K."""
-    extra = getattr(drafter, "extra_slots", None)
-    return num_draft_tokens if extra is None else extra(num_draft_tokens)
-
-
-def commit_to(drafter: Any, state: Any, next_tokens_bt, taps_btf, count_b) -> Any:
-    """Calls `drafter.commit` when the drafter has one, else returns the state unchanged."""
-    commit = getattr(drafter, "commit", None)
-    return state if commit is None else commit(state, next_tokens_bt, taps_btf, count_b)

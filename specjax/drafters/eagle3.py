@@ -1,10 +1,10 @@
 """EAGLE-3 drafting: a draft head reading the target's hidden states, as a chain or a dynamic tree.
 
-Head KV bookkeeping (EAGLE3.md sections 4 and 8.3): draft row j pairs the target's taps at position j with the
-embedding of token j + 1, at rotary position j, in head-cache slot j. `commit` writes those rows for every committed
-position from the target's own taps (after the prefill and after every verification) and advances the head cache,
-so the head's KV for committed positions never comes from drafting. Drafting writes slots past the committed length
-and never advances: the next commit overwrites them.
+Head KV bookkeeping (docs/eagle3-head.md, sections 4 and 8.3): draft row j pairs the target's taps at position j
+with the embedding of token j + 1, at rotary position j, in head-cache slot j. `commit` writes those rows for every
+committed position from the target's own taps (after the prefill and after every verification) and advances the
+head cache, so the head's KV for committed positions never comes from drafting. Drafting writes slots past the
+committed length and never advances: the next commit overwrites them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters.base import draw
+from specjax.drafters.base import BaseDrafter, draw
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
 from specjax.models.eagle3 import Eagle3Head
@@ -40,7 +40,7 @@ class Eagle3State:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter:
+class Eagle3Drafter(BaseDrafter):
     """EAGLE-3 drafter (a pytree: the head's `nnx.split` state are leaves, its graph definition is static).
 
     Args (via `Eagle3Drafter.create(head, target_embed, tree=None)`):
@@ -73,10 +73,6 @@ class Eagle3Drafter:
     def head_cfg(self):
         return self.head.cfg
 
-    def extra_slots(self, num_draft_tokens: int) -> int:
-        """Slots past the committed text that one round writes (verification and drafting)."""
-        return num_draft_tokens if self.tree is None else self.tree.capacity  # drafting may grow past the budget
-
     # -- the protocol ---------------------------------------------------------------------------------------
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
@@ -95,6 +91,10 @@ class Eagle3Drafter:
             )
         if self.tree is not None:
             self.tree.validate(cfg.draft_vocab_size)
+
+    def draft_shape(self, num_draft_tokens: int) -> TreeSpec:
+        """The head's tree, else a chain of K."""
+        return self.tree or TreeSpec.chain(num_draft_tokens)
 
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> Eagle3State:
         head = self.head
@@ -126,7 +126,6 @@ class Eagle3Drafter:
     def propose(self, state: Eagle3State, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
         """Chain drafting: draft 1 from the stored logits, then K - 1 cached steps on the head's own output."""
         head = self.head
-        B = tokens_bs.shape[0]
         keys = jax.random.split(key, num_draft_tokens)
         c = state.cache.lengths
         token, probs = _draw(head, keys[0], state.logits_bv, sampling)
@@ -147,17 +146,19 @@ class Eagle3Drafter:
         cache = dataclasses.replace(cache, lengths=c)
         tokens_bk = jnp.concatenate([token[:, None], rest_kb.T], axis=1)
         probs_bkv = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_kbv, 0, 1)], axis=1)
-        del B
         return tokens_bk, probs_bkv, dataclasses.replace(state, cache=cache)
 
-    def propose_tree(
-        self, state: Eagle3State, pending_b: jax.Array, key: jax.Array, sampling: SamplingConfig
-    ) -> tuple[DraftTree, Eagle3State]:
-        """Grows a draft tree (`specjax.tree`). Node t >= 1 writes its head KV at slot c + t - 1 when expanded."""
+    def propose_tree(self, state: Eagle3State, tokens_bs, length_b, key, *, shape: TreeSpec, vocab_size, sampling):
+        """Grows a draft tree (`specjax.tree`), or drafts a chain without one. Node t >= 1 writes its head KV at slot
+        c + t - 1 when expanded."""
+        if self.tree is None:
+            return super().propose_tree(
+                state, tokens_bs, length_b, key, shape=shape, vocab_size=vocab_size, sampling=sampling
+            )
+        pending_b = jnp.take_along_axis(tokens_bs, (length_b - 1)[:, None], axis=1)[:, 0]
         head = self.head
         cfg = head.cfg
-        spec = self.tree
-        M = spec.grown_nodes(sampling)
+        M = shape.grown_nodes(sampling)
         B = pending_b.shape[0]
         c = state.cache.lengths
         S = state.cache.num_slots
@@ -194,7 +195,7 @@ class Eagle3Drafter:
             return logits, (cache, node_out)
 
         tree, (cache, _) = grow_tree(
-            key, pending_b, state.logits_bv, expand, (state.cache, node_out), spec, sampling,
+            key, pending_b, state.logits_bv, expand, (state.cache, node_out), shape, sampling,
             vocab_ids=head.target_ids_of_draft_vocab(),
         )  # fmt: skip
         return tree, dataclasses.replace(state, cache=cache)

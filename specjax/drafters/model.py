@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters.base import draw
+from specjax.drafters.base import BaseDrafter, draw
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
@@ -76,7 +76,7 @@ def _prefill(weights: Weights, cfg: ModelConfig, tokens_bp: jax.Array, num_slots
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter:
+class ModelDrafter(BaseDrafter):
     """A separate draft model (any supported checkpoint whose vocabulary size equals the target's)."""
 
     weights: Weights
@@ -102,7 +102,7 @@ class ModelDrafter:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class LayerSkipDrafter:
+class LayerSkipDrafter(BaseDrafter):
     """Self-drafting: the target's first `num_layers` layers, then its final norm and LM head.
 
     `weights` are the target's own arrays (no copy is made outside the jit); inside it the first N layers are
@@ -119,6 +119,11 @@ class LayerSkipDrafter:
                 f"layer-skip drafting uses 1 to {self.cfg.num_layers - 1} of the target's {self.cfg.num_layers} "
                 f"layers, got {self.num_layers}"
             )
+
+    @staticmethod
+    def default_layers(target_cfg: ModelConfig) -> int:
+        """A quarter of the target's layers (specjax-bench's default)."""
+        return max(1, target_cfg.num_layers // 4)
 
     @property
     def draft_cfg(self) -> ModelConfig:

@@ -13,13 +13,15 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.drafters.base import commit_to, extra_slots_of, tap_layers_of
+from specjax.defaults import DEFAULT_NGRAM
+from specjax.drafters.base import BaseDrafter, Drafter
 from specjax.errors import InputError
+from specjax.tree import TreeSpec
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NgramDrafter:
+class NgramDrafter(BaseDrafter):
     """Matches the last `max_n` tokens (falling back to shorter tails down to `min_n`) in prompt + generated text.
 
     Among the earlier occurrences of the longest matching tail, the most recent one wins, and the K tokens that
@@ -27,18 +29,12 @@ class NgramDrafter:
     repetition loop is predicted to go on). Rows without any match propose their last token repeated.
     """
 
-    max_n: int = dataclasses.field(default=3, metadata=dict(static=True))
+    max_n: int = dataclasses.field(default=DEFAULT_NGRAM, metadata=dict(static=True))
     min_n: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     def __post_init__(self):
         if self.min_n < 1 or self.max_n < self.min_n:
             raise InputError(f"n-gram sizes must satisfy 1 <= min_n <= n, got n={self.max_n}, min_n={self.min_n}")
-
-    def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
-        pass
-
-    def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> tuple:
-        return ()
 
     def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `Drafter.propose`; `key` and `sampling` are unused (the proposal is deterministic)."""
@@ -89,22 +85,22 @@ def ngram_lookup(
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class LookupFirstDrafter:
+class LookupFirstDrafter(BaseDrafter):
     """Prompt lookup where the text repeats, another chain drafter elsewhere (e.g. EAGLE-3 on code that restates
     its prompt).
 
     A row whose last `n` tokens recur earlier in its text takes the lookup proposal (one-hot draft_probs); the
     others take the fallback's. The choice is a function of the committed text, so each round's proposal still has
-    an exact distribution and the acceptance rule stays exact. The fallback's hooks (taps, commit) run every round;
-    its drafting is skipped when every row has a lookup match.
+    an exact distribution and the acceptance rule stays exact. The fallback's hooks (taps, state, commit) serve this
+    drafter, and its commit runs every round; its drafting is skipped when every row has a lookup match.
 
     `fallback_tokens` (default: all K) lets the lookup propose more tokens than the fallback drafts: copied text is
     often right for many tokens, a small drafter's guesses rarely are. The fallback drafts that many; the rest of
     its row repeats its last draft (one-hot, so still exact), filling the K slots the round verifies.
     """
 
-    fallback: Any
-    n: int = dataclasses.field(default=3, metadata=dict(static=True))
+    fallback: Drafter
+    n: int = dataclasses.field(default=DEFAULT_NGRAM, metadata=dict(static=True))
     fallback_tokens: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
@@ -112,15 +108,12 @@ class LookupFirstDrafter:
             raise InputError(f"the n-gram size must be >= 1, got {self.n}")
         if self.fallback_tokens is not None and self.fallback_tokens < 1:
             raise InputError(f"the fallback's draft tokens must be >= 1, got {self.fallback_tokens}")
-        if getattr(self.fallback, "tree", None) is not None:
+        if self.fallback.draft_shape(1) != TreeSpec.chain(1):  # a chain drafter's shape follows K, a tree's does not
             raise InputError("lookup-first drafting drafts chains; its fallback cannot draft a tree")
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
-        return tap_layers_of(self.fallback)
-
-    def extra_slots(self, num_draft_tokens: int) -> int:
-        return extra_slots_of(self.fallback, num_draft_tokens)
+        return self.fallback.tap_layers
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         self.fallback.validate(target_cfg, num_draft_tokens)
@@ -129,7 +122,7 @@ class LookupFirstDrafter:
         return self.fallback.init(tokens_bp, lengths_b, num_slots)
 
     def commit(self, state: Any, next_tokens_bt, taps_btf, count_b) -> Any:
-        return commit_to(self.fallback, state, next_tokens_bt, taps_btf, count_b)
+        return self.fallback.commit(state, next_tokens_bt, taps_btf, count_b)
 
     def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `Drafter.propose`."""

@@ -1,4 +1,4 @@
-"""EAGLE-3 head checkpoints in the published `LlamaForCausalLMEagle3` format (EAGLE3.md section 6).
+"""EAGLE-3 head checkpoints in the published `LlamaForCausalLMEagle3` format (docs/eagle3-head.md, section 6).
 
 A head folder holds config.json and safetensors with the keys `fc.weight`, `midlayer.*`, `norm.weight`,
 `lm_head.weight`, `d2t` (int64 [Vd]), `t2d` (bool [V]) and, rarely, `embed_tokens.weight`, in PyTorch [out, in]

@@ -1,18 +1,19 @@
 """EAGLE-3 draft head: one Llama decoder layer over [embedding, fused target features], as a Flax NNX module.
 
-The head follows `LlamaForCausalLMEagle3` (EAGLE3.md sections 1-3): `fc` fuses the residual streams of three target
-layers into g [H]; the single "midlayer" attends with a 2H-wide input concat[input_layernorm(embed), hidden_norm(g)],
-keeps the *raw* g as its residual, and its pre-norm output is fed back as g at the next draft step; `norm` and a
-reduced-vocabulary `lm_head` give draft logits over Vd tokens, mapped to target ids by `target = draft + d2t[draft]`.
-Two published variants are config flags: `norm_output` (EAGLE-3.1) feeds back the post-norm output instead, the
-vector the lm_head reads; `norm_before_residual` (vLLM's speculators) keeps hidden_norm(g) as the residual.
+The head follows `LlamaForCausalLMEagle3` (docs/eagle3-head.md, sections 1-3): `fc` fuses the residual streams of
+three target layers into g [H]; the single "midlayer" attends with a 2H-wide input concat[input_layernorm(embed),
+hidden_norm(g)], keeps the *raw* g as its residual, and its pre-norm output is fed back as g at the next draft step;
+`norm` and a reduced-vocabulary `lm_head` give draft logits over Vd tokens, mapped to target ids by
+`target = draft + d2t[draft]`. Two published variants are config flags (section 7): `norm_output` (EAGLE-3.1) feeds
+back the post-norm output instead, the vector the lm_head reads; `norm_before_residual` (vLLM's speculators) keeps
+hidden_norm(g) as the residual.
 
 Every method works in fixed shapes and is jit-friendly: split the module with `nnx.split` outside a jit and
-`nnx.merge` it inside (e.g. a `lax.while_loop` body). The layer math lives in `qkv` / `finish` / `logits`, so the
+`nnx.merge` it inside (e.g. a `lax.while_loop` body). The layer math lives in `qkv` / `finish` / `readout`, so the
 cached inference `step` and a full-sequence training (TTT) path share it.
 
-Shape letters: B batch, T new rows, S cache slots, D head hidden size (H in EAGLE3.md), N query heads, K kv heads,
-G query heads per kv head, Hd head dim, F MLP width, V target vocabulary, Vd draft vocabulary.
+Shape letters: B batch, T new rows, S cache slots, D head hidden size (H in docs/eagle3-head.md), N query heads,
+K kv heads, G query heads per kv head, Hd head dim, F MLP width, V target vocabulary, Vd draft vocabulary.
 
 Tap layers (specjax convention): the ids of the target layers whose *input* residual stream is tapped, i.e. what
 `llama.forward(..., tap_layers=cfg.tap_layers)` returns. The default for an N-layer target is (2, N//2, N-3).
@@ -35,10 +36,16 @@ from specjax.kv_cache import KVCache
 from specjax.models.llama import ArraySpec, apply_rope, attend, rms_norm, rope_inv_freq
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# What a head shaped like one layer of its target takes from the target's config (`Eagle3Config.default_for`).
+LAYER_FIELDS = (
+    "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "max_position_embeddings", "bos_token_id", "eos_token_ids",
+)  # fmt: skip
 
 
 def default_tap_layers(num_target_layers: int) -> tuple[int, int, int]:
-    """The EAGLE-3 default taps of an N-layer target: the inputs of layers 2, N//2 and N-3 (EAGLE3.md section 1)."""
+    """The EAGLE-3 default taps of an N-layer target: the inputs of layers 2, N//2 and N-3 (docs/eagle3-head.md,
+    section 1)."""
     n = num_target_layers
     return (2, n // 2, n - 3)
 
@@ -125,22 +132,10 @@ class Eagle3Config:
         Returns:
           The head config.
         """
-        t = target_cfg
         return cls(
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_heads=t.num_heads,
-            num_kv_heads=t.num_kv_heads,
-            head_dim=t.head_dim,
-            vocab_size=t.vocab_size,
-            draft_vocab_size=t.vocab_size if draft_vocab_size is None else draft_vocab_size,
-            target_num_layers=t.num_layers,
-            rms_norm_eps=t.rms_norm_eps,
-            rope_theta=t.rope_theta,
-            rope_scaling=t.rope_scaling,
-            max_position_embeddings=t.max_position_embeddings,
-            bos_token_id=t.bos_token_id,
-            eos_token_ids=t.eos_token_ids,
+            **{name: getattr(target_cfg, name) for name in LAYER_FIELDS},
+            draft_vocab_size=target_cfg.vocab_size if draft_vocab_size is None else draft_vocab_size,
+            target_num_layers=target_cfg.num_layers,
         )
 
     @classmethod
@@ -332,7 +327,7 @@ NORMS = ("input_norm", "hidden_norm", "mlp_norm", "final_norm")
 
 
 class Eagle3Head(nnx.Module):
-    """The EAGLE-3 draft head (EAGLE3.md section 2).
+    """The EAGLE-3 draft head (docs/eagle3-head.md, section 2).
 
     Trainable weights are `nnx.Param`s named as in `param_specs`; `d2t` / `t2d` are `VocabMap` buffers and the
     optional own embedding a `FrozenEmbedding`, so `nnx.split(head, nnx.Param, ...)` separates what training updates.
@@ -485,7 +480,7 @@ class Eagle3Head(nnx.Module):
 
         As in `llama.forward`, the rows go to slots `cache.lengths + arange(T)` and `cache.lengths` is left for the
         caller to advance, so a draft round is rolled back by not advancing it (EAGLE keeps only the prefix KV,
-        computed from target features: EAGLE3.md section 4).
+        computed from target features: docs/eagle3-head.md, section 4).
 
         Args:
           embed_btd: embeddings of the paired tokens (`embed_tokens`).
@@ -542,7 +537,8 @@ def t2d_from_d2t(d2t: jax.Array, vocab_size: int) -> jax.Array:
 
 
 def vocab_map_from_ids(used_ids: Sequence[int], vocab_size: int) -> tuple[jax.Array, jax.Array]:
-    """d2t [Vd] int32 and t2d [V] bool for a draft vocabulary of the given distinct target ids (EAGLE3.md section 3).
+    """d2t [Vd] int32 and t2d [V] bool for a draft vocabulary of the given distinct target ids (docs/eagle3-head.md,
+    section 3).
 
     Args:
       used_ids: the target ids kept in the draft vocabulary (any order; they are sorted ascending).

@@ -1,0 +1,16 @@
+"""Defaults and limits of speculative decoding, named once: the library, the CLIs and the trainer import them.
+
+Tree shapes are written as the command line takes them, "depth,topk,budget" (`specjax.tree.TreeSpec.parse`).
+"""
+
+DEFAULT_DRAFT_TOKENS = 5  # K, drafts per round, of specjax-generate and specjax-bench when none is given
+DEFAULT_NGRAM = 3  # the longest tail prompt lookup matches, and the tail lookup first needs to recur
+DEFAULT_TREE = "5,3,10"  # specjax-bench's eagle3-tree mode: the fastest of those tried on a 2-core CPU
+CALIBRATION_DRAFT_TOKENS = 8  # `--num-draft-tokens auto`: K of the probe run, and the largest K it picks
+
+EVAL_DRAFT_TOKENS = 5  # the train evaluate stage's chain
+EVAL_TREE = "5,4,24"  # the train evaluate stage's tree
+
+MAX_DRAFT_TOKENS = 32  # the deepest draft a round verifies: a chain's K, a tree's depth
+MAX_TREE_NODES = 64  # a tree's budget (root included): one verification forward over this many tokens
+MAX_TREE_TOPK = 16  # children per expanded tree node
