@@ -66,17 +66,20 @@ def test_packed_features_equal_each_sample_alone(stored):
     rows, layers, (cfg, weights) = stored
     assert rows["features"].dtype == jnp.bfloat16
     assert rows["features"].shape == (*rows["tokens"].shape, len(layers) * cfg.hidden_size)
-    checked = 0
-    for r in range(len(rows["tokens"])):
-        for s in range(1, rows["segments"][r].max() + 1):
-            span = np.nonzero(rows["segments"][r] == s)[0]
-            tokens = jnp.asarray(rows["tokens"][r, span])[None]
-            _, alone, _ = forward(weights, cfg, tokens, jnp.arange(len(span))[None],
-                                  KVCache.empty(cfg, 1, len(span)), tap_layers=layers)  # fmt: skip
-            got = np.asarray(rows["features"][r, span], np.float32)
-            np.testing.assert_allclose(got, np.asarray(alone[0]), rtol=1e-2, atol=1e-2)  # bfloat16 storage
-            checked += 1
-    assert checked > len(rows["tokens"])  # some rows hold several samples
+    T = rows["tokens"].shape[1]
+    spans = [(r, np.nonzero(rows["segments"][r] == s)[0])
+             for r in range(len(rows["tokens"])) for s in range(1, rows["segments"][r].max() + 1)]  # fmt: skip
+    assert len(spans) > len(rows["tokens"])  # some rows hold several samples
+    # Every sample alone in a row of its own, padded after its end (causal: the padding changes nothing before it).
+    alone_tokens = np.zeros((len(spans), T), np.int32)
+    for i, (r, span) in enumerate(spans):
+        alone_tokens[i, : len(span)] = rows["tokens"][r, span]
+    positions = jnp.broadcast_to(jnp.arange(T), alone_tokens.shape)
+    _, alone, _ = forward(weights, cfg, jnp.asarray(alone_tokens), positions,
+                          KVCache.empty(cfg, len(spans), T), tap_layers=layers)  # fmt: skip
+    for i, (r, span) in enumerate(spans):
+        got = np.asarray(rows["features"][r, span], np.float32)
+        np.testing.assert_allclose(got, np.asarray(alone[i, : len(span)]), rtol=1e-2, atol=1e-2)  # bfloat16 storage
 
 
 def test_a_step_on_stored_features_equals_one_running_the_target(stored):

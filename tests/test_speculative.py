@@ -61,11 +61,14 @@ def test_greedy_batch_identical_to_autoregressive(name, k, ar_batch):
 
 @pytest.mark.parametrize("name", ["ngram", "layerskip", "other_model"])
 def test_greedy_batch_of_one_identical_to_autoregressive(name, ar_batch):
+    kw = dict(drafter=DRAFTERS[name], num_draft_tokens=5, max_new_tokens=MAX_NEW, eos_ids=())
+    alone_hist = np.zeros(6, np.int64)
     for prompt, expected in zip(PROMPTS, ar_batch):
-        result = spec.generate(
-            WEIGHTS, CFG, [prompt], drafter=DRAFTERS[name], num_draft_tokens=5, max_new_tokens=MAX_NEW, eos_ids=()
-        )
+        result = spec.generate(WEIGHTS, CFG, [prompt], **kw)
         assert outputs(result) == [expected]
+        alone_hist += result.stats.accepted_histogram
+    # Acceptance is per row: a batch's row-round histogram is the sum of its prompts' histograms alone.
+    assert list(alone_hist) == spec.generate(WEIGHTS, CFG, PROMPTS, **kw).stats.accepted_histogram
 
 
 def test_rows_stop_at_eos_and_limit_independently(ar_batch):

@@ -98,6 +98,7 @@ class EvaluationSection:
     sets: tuple[str, ...] = ("heldout",)  # from: heldout (data.eval_prompts), chat (specjax's chat set), humaneval
     num_prompts: int | None = None  # the first N prompts of each set; None: all
     max_new_tokens: int | None = None  # None: data.max_new_tokens
+    batch_size: int = 8  # prompts decoded together; acceptance is per row, so the figures equal batch-1 decoding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +181,8 @@ _RANGES = {
         "data.num_prompts", "data.max_prompt_tokens", "data.max_new_tokens", "data.batch_size",
         "model.draft_vocab_size", "synthesize.max_tokens", "synthesize.batch_size", "synthesize.max_generations",
         "training.steps", "training.batch_size", "training.seq_len", "training.ttt_length", "training.stop_after",
-        "evaluation.num_prompts", "evaluation.max_new_tokens", "checkpoint.every", "checkpoint.keep", "logging.every",
+        "evaluation.num_prompts", "evaluation.max_new_tokens", "evaluation.batch_size",
+        "checkpoint.every", "checkpoint.keep", "logging.every",
     ),
     ">= 0": (
         "synthesize.num_prompts", "synthesize.min_tokens", "data.eval_prompts", "data.samples_per_prompt",
