@@ -23,8 +23,9 @@ demo: venv
 	$(BIN)/specjax-generate --drafter eagle3:smollm2-135m --tree 5,3,10 --compare-ar --prompt "$(PROMPT)" \
 		--max-new-tokens 128
 
+# Two workers, each taking whole test files (module fixtures are built once): compilation is single-threaded.
 test: dev
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 lint: dev
 	$(BIN)/ruff check specjax decode train tests

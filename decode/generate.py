@@ -38,7 +38,10 @@ def parser() -> cli.ArgumentParser:
         "--tree", default=None, metavar="DEPTH,TOPK,BUDGET",
         help="with --drafter eagle3:PATH: draft a dynamic tree (BUDGET nodes including the root) instead of a chain",
     )  # fmt: skip
-    p.add_argument("--num-samples", type=int, default=1, help="N samples of each prompt, decoded as one batch")
+    p.add_argument(
+        "--num-samples", type=int, default=1,
+        help="N samples of each prompt, decoded in one batch whose N rows share the prompt's prefill",
+    )  # fmt: skip
     p.add_argument("--json", dest="json_out", help="write the results to this JSON file")
     return p
 
@@ -60,7 +63,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = load_model(args.model)
     tok = model.tokenizer
     drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=_load_draft, tree=tree)
-    prompts = [p for p in prompts for _ in range(args.num_samples)]  # each prompt's samples are adjacent
     prompt_ids = cli.encode_prompts(tok, prompts, args.raw)
     eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(tok.eos_token_ids)))
     if drafter is not None and args.num_draft_tokens == "auto":  # a tree's round is its own: K is its depth
@@ -70,14 +72,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     drafter, verified = with_lookup_tokens(drafter, args.num_draft_tokens, args.lookup_tokens)
     if drafter is not None:
         speculative.check_inputs(model.cfg, drafter, verified)
-    default_batch = min(args.num_samples, 64) if args.num_samples > 1 else 8
-    batch_size = min(args.batch_size or default_batch, len(prompts))  # a larger batch would decode padding rows
+    samples = args.num_samples
+    rows = args.batch_size or (min(samples, 64) if samples > 1 else 8)
+    per_call = max(1, min(rows // samples, len(prompts)))  # prompts per batch (more would decode padding rows)
+    batch_size = per_call * samples
 
     results = []
-    for start, group in zip(range(0, len(prompts), batch_size), cli.batches(prompt_ids, batch_size)):
-        kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed + start, eos_ids=eos)
+    for start, group in zip(range(0, len(prompts), per_call), cli.batches(prompt_ids, per_call)):
+        kw = dict(
+            max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed + start, eos_ids=eos,
+            batch_size=per_call, num_samples=samples,
+        )  # fmt: skip
         if drafter is None:
-            out = generate(model.weights, model.cfg, group, batch_size=batch_size, **kw)
+            out = generate(model.weights, model.cfg, group, **kw)
             spec_stats = {}
         else:
             out = speculative.generate(
@@ -86,7 +93,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 group,
                 drafter=drafter,
                 num_draft_tokens=verified,
-                batch_size=batch_size,
                 **kw,
             )
             # Acceptance statistics are per batch: every result of a batch carries its batch's figures.
@@ -96,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "acceptance_by_position": out.stats.acceptance_by_position,
             }
             if args.compare_ar:
-                ar = generate(model.weights, model.cfg, group, batch_size=batch_size, **kw)
+                ar = generate(model.weights, model.cfg, group, **kw)
                 spec_stats["ar_tokens_per_s"] = ar.new_tokens / ar.seconds
                 spec_stats["speedup_vs_ar"] = (out.new_tokens / out.seconds) / spec_stats["ar_tokens_per_s"]
                 if sampling.greedy:
@@ -104,11 +110,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                     spec_stats["identical_to_ar"] = same
         if out.compile_seconds:
             print(f"[compiled in {out.compile_seconds:.1f} s]", file=sys.stderr)
+        first = len(results)
         for i, c in enumerate(out.completions):
             n = len(c.output_ids)
             results.append(
                 {
-                    "prompt": prompts[start + i],
+                    "prompt": prompts[start + i // samples],
                     "prompt_ids": c.prompt_ids,
                     "output_ids": c.output_ids,
                     "text": tok.decode(c.output_ids),
@@ -118,12 +125,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 }
             )
         if not args.json_out:
-            for r in results[start:]:
+            for r in results[first:]:
                 s = r["stats"]
                 print(f"\n>>> {r['prompt']}\n{r['text']}")
                 accepted = f", mean accepted length {s['mean_accepted']:.2f}" if "mean_accepted" in s else ""
                 print(
-                    f"[{s['new_tokens']} tokens, {r['finish_reason']}; batch of {len(group)}: "
+                    f"[{s['new_tokens']} tokens, {r['finish_reason']}; batch of {len(out.completions)}: "
                     f"{out.new_tokens / out.seconds:.1f} tok/s{accepted}]"
                 )
                 if "speedup_vs_ar" in s:

@@ -12,7 +12,7 @@ from specjax.io.models import LoadedModel, load_model
 from specjax.io.tokenizer import Tokenizer
 from specjax.kv_cache import KVCache
 from specjax.models.llama import LayerWeights, Weights, forward, init_weights, weight_specs, weights_from_hf
-from specjax.sampling import probabilities, process_logits, sample
+from specjax.sampling import Sampling, probabilities, process_logits, sample
 from specjax.sharding import make_mesh, shard_weights, weight_shardings
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "LoadedModel",
     "ModelConfig",
     "RopeScaling",
+    "Sampling",
     "SamplingConfig",
     "SpecjaxError",
     "Tokenizer",

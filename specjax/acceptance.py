@@ -24,21 +24,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.config import SamplingConfig
-from specjax.sampling import probabilities
+from specjax.sampling import Sampling, probabilities
 from specjax.tree import DraftTree
 
 
 def accept(
-    key: jax.Array, draft: DraftTree, target_logits_bmv: jax.Array, sampling: SamplingConfig
+    key: jax.Array, draft: DraftTree, target_logits_bmv: jax.Array, sampling: Sampling
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Applies the rule of `sampling` (chosen at trace time) to a round's draft.
+    """Applies the rule of `sampling` (`sampling.greedy` chooses it at trace time) to a round's draft.
 
     Args:
       key: PRNG key (unused when greedy).
       draft: the round's draft, M nodes per row.
       target_logits_bmv: float [B, M, V] the target's logits after each node.
-      sampling: static; the processing the drafts went through too.
+      sampling: the rows' sampling values; the processing the drafts went through too.
     Returns:
       (accepted drafts n int32 [B], next token int32 [B], last accepted node int32 [B]).
     """

@@ -21,6 +21,7 @@ from specjax.defaults import CALIBRATION_DRAFT_TOKENS
 from specjax.drafters.base import Drafter
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
+from specjax.sampling import Sampling
 from specjax.speedup import acceptance_rate_from_mean, expected_tokens_per_round
 
 
@@ -101,12 +102,13 @@ def drafter_seconds(
     state = drafter.init(tokens[:, :context], lengths, slots)
     state = drafter.commit(state, tokens[:, 1 : context + 1], jnp.ones((batch, context, taps)), lengths)
     path = shape.depth + 1
+    rows = Sampling.of(sampling, batch)
 
     @jax.jit
     def one_round(drafter, state, key):
         state = drafter.commit(state, tokens[:, :path], jnp.ones((batch, path, taps)), jnp.full((batch,), path - 1))
         return drafter.propose_tree(
-            state, tokens, lengths + 1, key, shape=shape, vocab_size=cfg.vocab_size, sampling=sampling
+            state, tokens, lengths + 1, key, shape=shape, vocab_size=cfg.vocab_size, sampling=rows
         )
 
     return _median_seconds(lambda: one_round(drafter, state, jax.random.key(1)), reps)

@@ -15,7 +15,7 @@ from specjax.config import ModelConfig, SamplingConfig
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
-from specjax.sampling import sample
+from specjax.sampling import Sampling, sample
 
 PROMPT_BUCKET = 64
 
@@ -67,48 +67,68 @@ def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, pad_id: int = 0) 
     return tokens, lengths
 
 
-def prefill(weights: Weights, cfg: ModelConfig, tokens_bp: jax.Array, lengths_b: jax.Array, cache: KVCache, **kw):
-    """Runs the padded prompts into an empty cache; returns (logits at each row's last prompt token [B, V], taps,
-    cache with lengths = prompt lengths)."""
-    B, P = tokens_bp.shape
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    logits, taps, cache = forward(weights, cfg, tokens_bp, positions, cache, logits_at=(lengths_b - 1)[:, None], **kw)
-    return logits[:, 0], taps, dataclasses.replace(cache, lengths=lengths_b)
+def prefill(
+    weights: Weights,
+    cfg: ModelConfig,
+    tokens_up: jax.Array,
+    lengths_u: jax.Array,
+    cache: KVCache,
+    copies: int = 1,
+    **kw,
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """Runs U padded prompts into an empty cache of U rows, then gives each prompt `copies` adjacent rows: N samples
+    of a prompt share one prefill.
+
+    Returns:
+      (logits at each row's last prompt token [U * copies, V], taps [U * copies, P, F] or None, cache of U * copies
+      rows with lengths = prompt lengths).
+    """
+    U, P = tokens_up.shape
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (U, P))
+    logits, taps, cache = forward(weights, cfg, tokens_up, positions, cache, logits_at=(lengths_u - 1)[:, None], **kw)
+    cache = dataclasses.replace(cache, lengths=lengths_u)
+    if copies == 1:
+        return logits[:, 0], taps, cache
+    taps = None if taps is None else jnp.repeat(taps, copies, axis=0)
+    return jnp.repeat(logits[:, 0], copies, axis=0), taps, cache.repeat_rows(copies)
 
 
 def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.array(eos_ids or (-1,), jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "eos_ids"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_ids", "num_samples"))
 def decode(
     weights: Weights,
-    tokens_bp: jax.Array,
-    lengths_b: jax.Array,
+    tokens_up: jax.Array,
+    lengths_u: jax.Array,
     key: jax.Array,
+    sampling: Sampling,
     *,
     cfg: ModelConfig,
-    sampling: SamplingConfig,
     max_new_tokens: int,
     eos_ids: tuple[int, ...],
+    num_samples: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
-    """Autoregressive decoding of a padded batch, entirely on device.
+    """Autoregressive decoding of a padded batch, entirely on device: B = U * num_samples rows.
 
     Args:
       weights: the model weights.
-      tokens_bp: int32 [B, P] right-padded prompts.
-      lengths_b: int32 [B] prompt lengths.
+      tokens_up: int32 [U, P] right-padded prompts.
+      lengths_u: int32 [U] prompt lengths.
       key: PRNG key (unused when greedy).
+      sampling: the rows' sampling values (data: a new value does not compile again).
       cfg: static model config.
-      sampling: static sampling config.
       max_new_tokens: static; at most this many tokens per row.
       eos_ids: static; a row stops after producing one of these.
+      num_samples: static; rows per prompt (adjacent), sharing the prompt's prefill.
     Returns:
       (tokens [B, max_new_tokens], number generated per row [B]).
     """
-    B, P = tokens_bp.shape
-    cache = KVCache.empty(cfg, B, P + max_new_tokens, weights.embed.dtype)
-    logits_bv, _, cache = prefill(weights, cfg, tokens_bp, lengths_b, cache)
+    U, P = tokens_up.shape
+    B = U * num_samples
+    cache = KVCache.empty(cfg, U, P + max_new_tokens, weights.embed.dtype)
+    logits_bv, _, cache = prefill(weights, cfg, tokens_up, lengths_u, cache, num_samples)
     key, sub = jax.random.split(key)
     first = sample(sub, logits_bv, sampling)
     pad = eos_ids[0] if eos_ids else 0
@@ -141,10 +161,11 @@ def generate(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
     seed: int = 0,
     eos_ids: Sequence[int] | None = None,
     batch_size: int | None = None,
+    num_samples: int = 1,
 ) -> GenerateResult:
     """Generates a continuation of each prompt (one batch).
 
@@ -153,21 +174,35 @@ def generate(
       cfg: the model config.
       prompts: token ids per prompt (different lengths are fine).
       max_new_tokens: the most tokens generated per prompt.
-      sampling: greedy by default.
+      sampling: one setting for every prompt, or one per prompt; greedy by default.
       seed: PRNG seed for sampling.
       eos_ids: tokens that end a row; defaults to the config's EOS ids.
-      batch_size: compiled batch size (>= len(prompts)); extra rows are padding. Defaults to len(prompts).
+      batch_size: compiled prompts per call (>= len(prompts)); extra prompts are padding. Defaults to len(prompts).
+      num_samples: rows per prompt, which share the prompt's prefill.
     Returns:
-      A GenerateResult with one Completion per prompt, in order.
+      A GenerateResult with num_samples Completions per prompt (adjacent), in prompt order.
     """
-    tokens, lengths, eos = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size)
-    args = (weights, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
-    static = dict(cfg=cfg, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos)
+    req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
+    args = (weights, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed), req.sampling)
+    static = dict(cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=req.eos, num_samples=num_samples)
     compiled, compile_seconds = _compiled(decode, args, static)
     t0 = time.perf_counter()
     out, num_new = jax.device_get(compiled(*args))
     seconds = time.perf_counter() - t0
-    return GenerateResult(completions(prompts, out, num_new, eos), seconds, compile_seconds)
+    return GenerateResult(completions(req.row_prompts, out, num_new, req.eos), seconds, compile_seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A validated generation request, packed: U prompt rows, each decoded by num_samples adjacent rows (B = U *
+    num_samples); rows past the real ones are padding."""
+
+    tokens: np.ndarray  # int32 [U, bucket] right-padded prompts
+    lengths: np.ndarray  # int32 [U]
+    eos: tuple[int, ...]
+    sampling: Sampling  # [B]
+    active: np.ndarray  # bool [B]: a real row, not padding
+    row_prompts: list[Sequence[int]]  # the prompt of each real row, in row order
 
 
 def prepare_batch(
@@ -176,14 +211,14 @@ def prepare_batch(
     max_new_tokens: int,
     eos_ids: Sequence[int] | None,
     batch_size: int | None,
-) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
-    """Validates a generation request and packs its prompts.
-
-    Returns:
-      (tokens [batch, bucket], lengths [batch], EOS ids). Raises InputError for a bad request.
-    """
+    sampling: SamplingConfig | Sequence[SamplingConfig],
+    num_samples: int = 1,
+) -> Request:
+    """Validates a generation request and packs its prompts and their rows' sampling values. Raises InputError."""
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if num_samples < 1:
+        raise InputError(f"num_samples must be >= 1, got {num_samples}")
     batch = batch_size or len(prompts)
     if batch < len(prompts):
         raise InputError(f"{len(prompts)} prompts do not fit in a batch of {batch}")
@@ -199,11 +234,21 @@ def prepare_batch(
             f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model's maximum length "
             f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens"
         )
-    return tokens, lengths, eos
+    if not isinstance(sampling, SamplingConfig):
+        if len(sampling) != len(prompts):
+            raise InputError(
+                f"{len(sampling)} sampling settings for {len(prompts)} prompts; give one, or one per prompt"
+            )
+        sampling = [s for s in sampling for _ in range(num_samples)]
+    rows = batch * num_samples
+    return Request(
+        tokens, lengths, eos, Sampling.of(sampling, rows), np.arange(rows) < len(prompts) * num_samples,
+        [p for p in prompts for _ in range(num_samples)],
+    )  # fmt: skip
 
 
 def completions(prompts: Sequence[Sequence[int]], out_bn, num_new_b, eos: tuple[int, ...]) -> list[Completion]:
-    """One Completion per prompt from the decoded token buffer and per-row counts."""
+    """One Completion per row (of prompt `prompts[i]`) from the decoded token buffer and per-row counts."""
     result = []
     for i, prompt in enumerate(prompts):
         ids = [int(t) for t in np.asarray(out_bn[i, : num_new_b[i]])]

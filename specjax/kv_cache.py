@@ -35,6 +35,10 @@ class KVCache:
         v = self.v.at[:, rows, slots_bt].set(v_new.astype(self.v.dtype), mode="drop")
         return dataclasses.replace(self, k=k, v=v)
 
+    def repeat_rows(self, copies: int) -> KVCache:
+        """Each row `copies` times, the copies adjacent: [B] rows -> [B * copies]."""
+        return KVCache(*(jnp.repeat(x, copies, axis=1) for x in (self.k, self.v)), jnp.repeat(self.lengths, copies))
+
     def advance(self, n_b: jax.Array) -> KVCache:
         """Commits the first n_b[b] written tokens of each row."""
         return dataclasses.replace(self, lengths=self.lengths + n_b.astype(jnp.int32))

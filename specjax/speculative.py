@@ -1,7 +1,7 @@
 """Exact speculative decoding: draft, verify every draft in one target forward, accept, repeat.
 
 The whole loop is one `jax.jit` around `lax.while_loop` with a pytree state; it compiles once per
-(batch, prompt bucket, max_new_tokens, K, drafter options, sampling) and makes no host round trip per round.
+(batch, prompt bucket, max_new_tokens, K, drafter options, greedy or sampled) and makes no host round trip per round.
 Rows accept independently; a row stops at EOS or max_new_tokens while the others go on.
 
 Bookkeeping per row: `tokens_bs` holds the prompt and the generated tokens; `length_b` of them are committed. The
@@ -36,7 +36,7 @@ from specjax.errors import InputError
 from specjax.generate import Completion, _compiled, _is_eos, completions, prefill, prepare_batch
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
-from specjax.sampling import sample
+from specjax.sampling import Sampling, sample
 from specjax.tree import compact_path, path_to
 
 
@@ -64,40 +64,44 @@ class SpecOutput:
     state: SpecState  # the final state (target cache, token buffer) for inspection
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "num_draft_tokens", "max_new_tokens", "eos_ids"))
+@functools.partial(jax.jit, static_argnames=("cfg", "num_draft_tokens", "max_new_tokens", "eos_ids", "num_samples"))
 def speculative_decode(
     weights: Weights,
     drafter: Drafter,
-    tokens_bp: jax.Array,
-    lengths_b: jax.Array,
+    tokens_up: jax.Array,
+    lengths_u: jax.Array,
     key: jax.Array,
+    sampling: Sampling,
     active_b: jax.Array | None = None,
     *,
     cfg: ModelConfig,
-    sampling: SamplingConfig,
     num_draft_tokens: int,
     max_new_tokens: int,
     eos_ids: tuple[int, ...],
+    num_samples: int = 1,
 ) -> SpecOutput:
-    """Speculative decoding of a padded batch, entirely on device.
+    """Speculative decoding of a padded batch, entirely on device: B = U * num_samples rows.
 
     Args:
       weights: the target weights.
       drafter: any `Drafter` (a pytree).
-      tokens_bp: int32 [B, P] right-padded prompts.
-      lengths_b: int32 [B] prompt lengths.
+      tokens_up: int32 [U, P] right-padded prompts.
+      lengths_u: int32 [U] prompt lengths.
       key: PRNG key (unused when greedy).
+      sampling: the rows' sampling values, applied to target and draft alike (data: a new value does not compile
+        again; only `sampling.greedy` is static).
       active_b: optional bool [B]; rows that are False (batch padding) start finished: they generate one token,
         never run a round and do not count in the statistics.
       cfg: static target config.
-      sampling: static sampling config, applied to target and draft alike.
       num_draft_tokens: static K >= 1; the drafter's `draft_shape(K)` is the shape of every round's draft.
       max_new_tokens: static; at most this many tokens per row.
       eos_ids: static; a row stops after producing one of these.
+      num_samples: static; rows per prompt (adjacent), sharing the prompt's target prefill.
     Returns:
       A SpecOutput.
     """
-    B, P = tokens_bp.shape
+    U, P = tokens_up.shape
+    B = U * num_samples
     shape = drafter.draft_shape(num_draft_tokens)
     D = shape.depth
     taps = drafter.tap_layers
@@ -105,8 +109,9 @@ def speculative_decode(
     pad = eos_ids[0] if eos_ids else 0
     # The barrier keeps XLA from constant-folding attention over the empty (all-zero) cache, which took minutes to
     # compile at large batch sizes.
-    cache = jax.lax.optimization_barrier(KVCache.empty(cfg, B, num_slots, weights.embed.dtype))
-    logits_bv, taps_bpf, cache = prefill(weights, cfg, tokens_bp, lengths_b, cache, tap_layers=taps)
+    cache = jax.lax.optimization_barrier(KVCache.empty(cfg, U, num_slots, weights.embed.dtype))
+    logits_bv, taps_bpf, cache = prefill(weights, cfg, tokens_up, lengths_u, cache, num_samples, tap_layers=taps)
+    tokens_bp, lengths_b = jnp.repeat(tokens_up, num_samples, axis=0), cache.lengths
     key, sub = jax.random.split(key)
     first = sample(sub, logits_bv, sampling)
     rows = jnp.arange(B)
@@ -233,9 +238,10 @@ def generate(
     num_draft_tokens: int,
     max_new_tokens: int,
     seed: int = 0,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
     eos_ids: Sequence[int] | None = None,
     batch_size: int | None = None,
+    num_samples: int = 1,
 ) -> SpecResult:
     """Generates a continuation of each prompt (one batch) with speculative decoding.
 
@@ -250,26 +256,26 @@ def generate(
         draft, a chain of K, or a tree drafter's own tree whatever K.
       max_new_tokens: the most tokens generated per prompt.
       seed: PRNG seed.
-      sampling: greedy by default.
+      sampling: one setting for every prompt, or one per prompt; greedy by default.
       eos_ids: tokens that end a row; defaults to the config's EOS ids.
-      batch_size: compiled batch size (>= len(prompts)); extra rows are padding. Defaults to len(prompts).
+      batch_size: compiled prompts per call (>= len(prompts)); extra prompts are padding. Defaults to len(prompts).
+      num_samples: rows per prompt, which share the prompt's target prefill.
     Returns:
-      A SpecResult with one Completion per prompt, in order, and the acceptance statistics.
+      A SpecResult with num_samples Completions per prompt (adjacent), in prompt order, and the acceptance
+      statistics.
     """
     check_inputs(cfg, drafter, num_draft_tokens)
-    tokens, lengths, eos = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size)
-    batch = len(tokens)
-    active = jnp.arange(batch) < len(prompts)
-    args = (weights, drafter, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), active)
-    static = dict(
-        cfg=cfg, sampling=sampling, num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens, eos_ids=eos
-    )
+    req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
+    args = (weights, drafter, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed), req.sampling,
+            jnp.asarray(req.active))  # fmt: skip
+    static = dict(cfg=cfg, num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens, eos_ids=req.eos,
+                  num_samples=num_samples)  # fmt: skip
     compiled, compile_seconds = _compiled(speculative_decode, args, static)
     t0 = time.perf_counter()
     result = compiled(*args)
     out, num_new, rounds, hist = jax.device_get((result.out_bn, result.num_new_b, result.rounds, result.accepted_hist))
     seconds = time.perf_counter() - t0
-    results = completions(prompts, out, num_new, eos)
+    results = completions(req.row_prompts, out, num_new, req.eos)
     new_tokens = sum(len(c.output_ids) for c in results)
     stats = SpecStats.from_histogram(int(rounds), hist, new_tokens, seconds)
     return SpecResult(results, seconds, compile_seconds, stats)

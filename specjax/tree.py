@@ -33,11 +33,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.config import SamplingConfig
 from specjax.defaults import MAX_DRAFT_TOKENS, MAX_TREE_NODES, MAX_TREE_TOPK
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
-from specjax.sampling import probabilities, process_logits
+from specjax.sampling import Sampling, probabilities, process_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +101,7 @@ class TreeSpec:
         `capacity` slots past the committed text."""
         return 1 + self.topk + (self.depth - 1) * self.topk * self.topk
 
-    def grown_nodes(self, sampling: SamplingConfig) -> int:
+    def grown_nodes(self, sampling: Sampling) -> int:
         """Nodes growth creates before verification: greedy grows to capacity and keeps the best `budget`."""
         return self.capacity if sampling.greedy else self.budget
 
@@ -150,13 +149,13 @@ class DraftTree:
 
 
 def draw_children(
-    key: jax.Array, logits_nv: jax.Array, k: int, sampling: SamplingConfig
+    key: jax.Array, logits_nv: jax.Array, k: int, sampling: Sampling
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """k distinct children per row: greedy top-k, else k draws without replacement (Gumbel-top-k order).
 
     Args:
       key: PRNG key.
-      logits_nv: float32 [..., Vd] draft logits over the draft's vocabulary.
+      logits_nv: float32 [B, ..., Vd] draft logits over the draft's vocabulary.
       k: static number of children.
       sampling: the same processing as the target.
     Returns:
@@ -184,7 +183,7 @@ def grow_tree(
     expand: ExpandFn,
     aux: Any,
     spec: TreeSpec,
-    sampling: SamplingConfig,
+    sampling: Sampling,
     vocab_ids: jax.Array | None = None,
 ) -> tuple[DraftTree, Any]:
     """Grows a draft tree per row (see the module docstring).
@@ -197,7 +196,7 @@ def grow_tree(
         token, its parent's hidden state, its ancestors' KV) and returns the logits of their children.
       aux: the drafter's carry for `expand`.
       spec: static tree shape.
-      sampling: static sampling config.
+      sampling: the rows' sampling values (`sampling.greedy` is static).
       vocab_ids: int32 [Vd], the target id of each logit column; None when the drafter's vocabulary is the
         target's. Drawing in the draft vocabulary keeps top-k and softmax at Vd columns instead of V.
     Returns:

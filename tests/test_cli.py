@@ -170,3 +170,12 @@ def test_outputs_are_reproducible_with_a_seed(tiny_folder, tmp_path):
         runs.append(json.loads((tmp_path / name).read_text())["results"][0]["output_ids"])
     assert runs[0] == runs[1] != runs[2]
     assert np.all(np.array(runs[0]) < Tokenizer.from_folder(tiny_folder).vocab_size)
+
+
+def test_num_samples_gives_each_prompt_its_samples_in_one_batch(tiny_folder, tmp_path):
+    entry(["--model", str(tiny_folder), "--prompt", "a", "--prompt", "b", "--num-samples", "3", "--temperature", "1",
+           "--batch-size", "6", "--max-new-tokens", "6", "--json", str(tmp_path / "out.json")])  # fmt: skip
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["config"]["batch_size"] == 6
+    assert [r["prompt"] for r in report["results"]] == ["a"] * 3 + ["b"] * 3
+    assert len({tuple(r["output_ids"]) for r in report["results"][:3]}) > 1  # three samples, not one copied

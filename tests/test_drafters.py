@@ -27,6 +27,7 @@ from specjax.generate import pack_prompts
 from specjax.io.hf import save_hf
 from specjax.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
+from specjax.sampling import Sampling
 from specjax.tree import TreeSpec
 
 CFG = ModelConfig("llama", 64, 32, 64, 3, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
@@ -71,7 +72,7 @@ def test_ngram_rows_are_independent_and_probs_are_one_hot():
     drafter = NgramDrafter(max_n=2)
     draft, probs, state = drafter.propose(
         drafter.init(tokens, lengths, 64), jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-        num_draft_tokens=3, vocab_size=16, sampling=SamplingConfig(0.7),
+        num_draft_tokens=3, vocab_size=16, sampling=Sampling.of(SamplingConfig(0.7)),
     )  # fmt: skip
     assert draft.tolist() == [[3, 1, 2], [6, 5, 6], [9, 9, 9]]
     np.testing.assert_array_equal(probs, jax.nn.one_hot(draft, 16))
@@ -83,7 +84,7 @@ def truncated(n):
     return cfg, dataclasses.replace(WEIGHTS, layers=jax.tree.map(lambda a: a[:n], WEIGHTS.layers))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "sampling"))
+@functools.partial(jax.jit, static_argnames=("k",))
 def propose(drafter, tokens_bs, length_b, key, k, sampling):
     state = drafter.init(tokens_bs, length_b - 1, tokens_bs.shape[1] + k + 2)
     return drafter.propose(state, tokens_bs, length_b, key, num_draft_tokens=k, vocab_size=64, sampling=sampling)[:2]
@@ -101,12 +102,12 @@ def test_layer_skip_drafts_like_the_truncated_target():
         tokens[i, lengths[i]] = expected[i][0]
     drafter = LayerSkipDrafter(WEIGHTS, CFG, 2)
     draft, probs = propose(
-        drafter, jnp.asarray(tokens), jnp.asarray(lengths + 1), jax.random.key(0), 4, SamplingConfig()
+        drafter, jnp.asarray(tokens), jnp.asarray(lengths + 1), jax.random.key(0), 4, Sampling.of(SamplingConfig())
     )
     assert draft.tolist() == [e[1:5] for e in expected]
     np.testing.assert_array_equal(probs, jax.nn.one_hot(draft, 64))
     # At temperature > 0 the first draft's probs are the truncated model's processed distribution.
-    sampling = SamplingConfig(temperature=0.7, top_k=10)
+    sampling = Sampling.of(SamplingConfig(temperature=0.7, top_k=10))
     _, probs = propose(drafter, jnp.asarray(tokens), jnp.asarray(lengths + 1), jax.random.key(0), 2, sampling)
     for i, prompt in enumerate(prompts):
         ids = jnp.asarray([prompt + expected[i][:1]])

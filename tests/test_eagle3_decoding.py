@@ -24,7 +24,7 @@ from specjax.generate import pack_prompts
 from specjax.kv_cache import KVCache
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.llama import forward, init_weights
-from specjax.sampling import probabilities
+from specjax.sampling import Sampling, probabilities
 from specjax.tree import TreeSpec
 
 CFG = ModelConfig("llama", 64, 32, 64, 4, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
@@ -69,8 +69,8 @@ def ar_batch():
 def decode(d, prompts, cfg=CFG, weights=WEIGHTS, max_new=MAX_NEW, sampling=SamplingConfig(), seed=0):
     tokens, lengths = pack_prompts(prompts, len(prompts))
     return spec.speculative_decode(
-        weights, d, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed),
-        cfg=cfg, sampling=sampling, num_draft_tokens=K, max_new_tokens=max_new, eos_ids=(),
+        weights, d, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), Sampling.of(sampling),
+        cfg=cfg, num_draft_tokens=K, max_new_tokens=max_new, eos_ids=(),
     )  # fmt: skip
 
 
@@ -159,7 +159,7 @@ def exact_joint_for(sampling: SamplingConfig):
     T = seqs.shape[1]
     cache = KVCache.empty(SMALL, len(seqs), T)
     logits, _, _ = forward(SMALL_WEIGHTS, SMALL, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(T), seqs.shape), cache)
-    probs = np.asarray(probabilities(logits, sampling), np.float64)
+    probs = np.asarray(probabilities(logits, Sampling.of(sampling)), np.float64)
     P = len(DIST_PROMPT)
     p1 = probs[0, P - 1]  # [V]
     p2 = probs[:, P].reshape(V, V, V)[:, 0]  # p2[x1] (row x1 * V + anything)
@@ -214,6 +214,24 @@ def test_sampling_matches_the_target_distribution(mode, sampling):
     assert stats.acceptance_by_position[0] > 0.15  # the drafts were really tested, not all rejected
 
 
+def test_tree_rows_with_mixed_settings_each_match_their_target_distribution():
+    """One batch alternating two settings (per-row values, one compilation): each half has its own target law."""
+    settings = [SamplingConfig(temperature=0.8, top_k=5, top_p=0.9), SamplingConfig(temperature=1.0)]
+    d = drafter(SMALL_TREE, SMALL_HEAD, SMALL_WEIGHTS)
+    V = SMALL.vocab_size
+    counts = np.zeros((2, V, V, V))
+    for seed in range(2 * DIST_SEEDS):  # as many samples per setting as the single-setting test
+        result = spec.generate(
+            SMALL_WEIGHTS, SMALL, [DIST_PROMPT] * DIST_ROWS, drafter=d, num_draft_tokens=2, max_new_tokens=3,
+            sampling=[settings[i % 2] for i in range(DIST_ROWS)], seed=seed, eos_ids=(),
+        )  # fmt: skip
+        for i, c in enumerate(result.completions):
+            counts[(i % 2, *c.output_ids[:3])] += 1
+    for setting, count in zip(settings, counts):
+        tv = total_variation(count / count.sum(), exact_joint_for(setting))
+        assert tv < TV_BOUND, (setting, tv)
+
+
 def draw_from_the_target_after_rejections(monkeypatch):
     """The wrong sibling rule: after a rejection the target's distribution stands, not the residual."""
     monkeypatch.setattr(acceptance, "residual_probs", lambda target_probs, draft_probs: target_probs)
@@ -236,7 +254,7 @@ def test_recursive_rejection_is_exact_for_one_node(monkeypatch):
     key_p, key_q, key_d, key_a = jax.random.split(jax.random.key(7), 4)
     target = jax.nn.softmax(2 * jax.random.normal(key_p, (V,)))
     q = jax.nn.softmax(2 * jax.random.normal(key_q, (V,)))
-    sampling = SamplingConfig(temperature=1.0)
+    sampling = Sampling.of(SamplingConfig(temperature=1.0))
     tok, _, ok, probs = tree_mod.draw_children(key_d, jnp.broadcast_to(jnp.log(q), (B, V)), k, sampling)
     M = k + 1
     t = tree_mod.DraftTree(
@@ -272,7 +290,7 @@ def test_lookup_first_takes_the_lookup_only_in_rows_whose_tail_recurs():
     tokens = jnp.asarray([[7, 8, 9, 4, 7, 8], [7, 8, 9, 4, 8, 7]], jnp.int32)  # row 0's tail "7 8" recurs
     lengths = jnp.array([6, 6])
     state = d.commit(d.init(tokens, lengths, 16), tokens[:, 1:], jnp.ones((2, 5, 3 * CFG.hidden_size)), lengths - 1)
-    options = dict(num_draft_tokens=3, vocab_size=CFG.vocab_size, sampling=SamplingConfig())
+    options = dict(num_draft_tokens=3, vocab_size=CFG.vocab_size, sampling=Sampling.of(SamplingConfig()))
     draft, probs, _ = d.propose(state, tokens, lengths, jax.random.key(0), **options)
     alone, alone_probs, _ = fallback.propose(state, tokens, lengths, jax.random.key(0), **options)
     assert draft[0].tolist() == [9, 4, 7] and probs[0].argmax(-1).tolist() == [9, 4, 7]
@@ -289,7 +307,7 @@ def test_lookup_first_fallback_drafting_fewer_tokens_repeats_its_last_draft():
     tokens = jnp.asarray([[7, 8, 9, 4, 7, 8], [7, 8, 9, 4, 8, 7]], jnp.int32)  # row 0's tail "7 8" recurs
     lengths = jnp.array([6, 6])
     state = d.commit(d.init(tokens, lengths, 16), tokens[:, 1:], jnp.ones((2, 5, 3 * CFG.hidden_size)), lengths - 1)
-    options = dict(vocab_size=CFG.vocab_size, sampling=SamplingConfig())
+    options = dict(vocab_size=CFG.vocab_size, sampling=Sampling.of(SamplingConfig()))
     draft, probs, _ = d.propose(state, tokens, lengths, jax.random.key(0), num_draft_tokens=3, **options)
     alone, alone_probs, _ = fallback.propose(state, tokens, lengths, jax.random.key(0), num_draft_tokens=1, **options)
     assert draft[0].tolist() == [9, 4, 7]  # the lookup proposes all 3

@@ -66,6 +66,13 @@ def test_compiles_once_per_shape(monkeypatch):
     first = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=6, sampling=sampling, seed=3)
     second = gen.generate(WEIGHTS, CFG, PROMPTS[::-1], max_new_tokens=6, sampling=sampling, seed=3)
     assert len(traces) == 1 and second.compile_seconds == 0
+    other_values = [SamplingConfig(0.5), SamplingConfig(), SamplingConfig(1.0, top_k=4), SamplingConfig(2.0)]
+    mixed = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=6, sampling=other_values, seed=3)
+    assert len(traces) == 1 and mixed.compile_seconds == 0  # new values, one per row: data, not a new program
+    assert (
+        mixed.completions[1].output_ids
+        == gen.generate(WEIGHTS, CFG, PROMPTS[1:2], max_new_tokens=6).completions[0].output_ids
+    )  # the greedy row of the mixed batch
     again = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=6, sampling=sampling, seed=3)
     assert [c.output_ids for c in again.completions] == [c.output_ids for c in first.completions]
     other_seed = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=6, sampling=sampling, seed=4)
@@ -96,3 +103,25 @@ def test_pack_prompts_buckets_to_multiples_of_64():
     assert tokens.shape == (3, 64) and lengths.tolist() == [17, 1, 17]
     assert gen.pack_prompts([[1] * 65], batch=1)[0].shape == (1, 128)
     assert np.all(tokens[1, 1:] == 0)
+
+
+def test_samples_of_a_prompt_share_one_prefill(monkeypatch):
+    """num_samples rows per prompt: the target prefills each prompt once, and its KV serves every sample."""
+    prefilled_rows = []
+    original = gen.prefill
+    monkeypatch.setattr(
+        gen, "prefill", lambda w, c, t, *a, **k: prefilled_rows.append(t.shape[0]) or original(w, c, t, *a, **k)
+    )
+    gen.decode.clear_cache()
+    gen._EXECUTABLES.clear()
+    greedy = gen.generate(WEIGHTS, CFG, PROMPTS[:2], max_new_tokens=8, eos_ids=(), num_samples=3)
+    assert prefilled_rows == [2]
+    alone = gen.generate(WEIGHTS, CFG, PROMPTS[:2], max_new_tokens=8, eos_ids=())
+    expected = [c.output_ids for c in alone.completions for _ in range(3)]
+    assert [c.output_ids for c in greedy.completions] == expected
+    assert [c.prompt_ids for c in greedy.completions] == [p for p in PROMPTS[:2] for _ in range(3)]
+    sampled = gen.generate(WEIGHTS, CFG, PROMPTS[:1], max_new_tokens=8, eos_ids=(), num_samples=6,
+                           sampling=SamplingConfig(temperature=1.0))  # fmt: skip
+    assert len({tuple(c.output_ids) for c in sampled.completions}) > 1  # independent samples, not one copied
+    with pytest.raises(InputError, match="num_samples must be >= 1"):
+        gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=4, num_samples=0)

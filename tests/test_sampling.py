@@ -5,7 +5,7 @@ import pytest
 
 from specjax.config import SamplingConfig
 from specjax.errors import InputError
-from specjax.sampling import probabilities, process_logits, sample, top_k_mask, top_p_mask
+from specjax.sampling import Sampling, probabilities, process_logits, sample, top_k_mask, top_p_mask
 
 LOGITS = jnp.array([[2.0, 1.0, 0.5, -1.0, 3.0], [0.0, 0.0, 0.0, 0.0, 5.0]])
 
@@ -32,7 +32,7 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 
 def test_temperature_then_top_k_then_top_p():
-    cfg = SamplingConfig(temperature=0.5, top_k=3, top_p=0.9)
+    cfg = Sampling.of(SamplingConfig(temperature=0.5, top_k=3, top_p=0.9))
     expected = top_p_mask(top_k_mask(LOGITS / 0.5, 3), 0.9)
     np.testing.assert_array_equal(process_logits(LOGITS, cfg), expected)
     probs = probabilities(LOGITS, cfg)
@@ -41,8 +41,8 @@ def test_temperature_then_top_k_then_top_p():
 
 
 def test_greedy_is_argmax_and_sampling_is_reproducible():
-    assert sample(jax.random.key(0), LOGITS, SamplingConfig()).tolist() == [4, 4]
-    cfg = SamplingConfig(temperature=1.0)
+    assert sample(jax.random.key(0), LOGITS, Sampling.of(SamplingConfig())).tolist() == [4, 4]
+    cfg = Sampling.of(SamplingConfig(temperature=1.0))
     logits = jnp.zeros((64, 50))
     a = sample(jax.random.key(7), logits, cfg)
     b = sample(jax.random.key(7), logits, cfg)
@@ -51,7 +51,7 @@ def test_greedy_is_argmax_and_sampling_is_reproducible():
 
 
 def test_sampled_frequencies_follow_the_processed_distribution():
-    cfg = SamplingConfig(temperature=0.7, top_k=4)
+    cfg = Sampling.of(SamplingConfig(temperature=0.7, top_k=4))
     logits = jnp.broadcast_to(LOGITS[0], (200_000, 5))
     draws = np.asarray(sample(jax.random.key(1), logits, cfg))
     freq = np.bincount(draws, minlength=5) / len(draws)
@@ -77,3 +77,34 @@ def test_top_p_bisection_matches_a_sorted_nucleus():
         for row, prob in zip(got, probs):
             above = np.array([prob[prob > v].sum() for v in prob])  # mass strictly more likely than each token
             np.testing.assert_array_equal(row, above < p)
+
+
+def test_top_k_bisection_matches_a_sort_for_every_k():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 3, (8, 300)).astype(np.float32)
+    logits[:2, ::5] = logits[:2, :1]  # ties with the k-th
+    logits[2:4, 100:] = -np.inf
+    for k in (1, 2, 7, 60, 299, 300, 301):
+        kth = np.sort(logits, axis=-1)[:, ::-1][:, min(k, 300) - 1 : min(k, 300)]
+        expected = np.where(logits >= kth, logits, -np.inf)
+        np.testing.assert_array_equal(np.asarray(top_k_mask(jnp.asarray(logits), k)), expected)
+
+
+def test_rows_of_a_batch_each_get_their_own_setting():
+    """Per-row values: each row is processed exactly as its setting alone would process it; a greedy row keeps
+    only its argmax."""
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(0, 2, (5, 3, 40)).astype(np.float32))  # [B, nodes, V]
+    settings = [SamplingConfig(0.5, 3, 0.9), SamplingConfig(), SamplingConfig(1.3), SamplingConfig(1.0, 0, 0.4),
+                SamplingConfig(0.9, 12, 1.0)]  # fmt: skip
+    rows = Sampling.of(settings, 5)
+    assert not rows.greedy and Sampling.of([SamplingConfig()] * 2, 3).greedy
+    got = np.asarray(probabilities(logits, rows))
+    for b, setting in enumerate(settings):
+        alone = np.asarray(probabilities(logits[b], Sampling.of(setting)))
+        np.testing.assert_allclose(got[b], alone, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(got[1], np.asarray(jax.nn.one_hot(jnp.argmax(logits[1], -1), 40)))
+    drawn = np.asarray(sample(jax.random.key(0), logits, rows))
+    assert drawn[1].tolist() == np.asarray(jnp.argmax(logits[1], -1)).tolist()
+    with pytest.raises(InputError, match="3 sampling settings for a batch of 2"):
+        Sampling.of(settings[:3], 2)

@@ -17,7 +17,7 @@ from specjax.generate import generate as ar_generate
 from specjax.generate import pack_prompts
 from specjax.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
-from specjax.sampling import probabilities
+from specjax.sampling import Sampling, probabilities
 from specjax.tree import DraftTree
 
 CFG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
@@ -90,13 +90,15 @@ def test_cache_equals_fresh_prefill_and_traces_once(monkeypatch):
     original = spec.prefill
     monkeypatch.setattr(spec, "prefill", lambda *a, **k: traces.append(1) or original(*a, **k))
     spec.speculative_decode.clear_cache()
-    sampling = SamplingConfig(temperature=1.0, top_k=20)
+    sampling = Sampling.of(SamplingConfig(temperature=1.0, top_k=20), 4)
     drafter = DRAFTERS["other_model"]
     tokens, lengths = pack_prompts(PROMPTS, 4)
-    static = dict(cfg=CFG, sampling=sampling, num_draft_tokens=3, max_new_tokens=15, eos_ids=())
-    first = spec.speculative_decode(WEIGHTS, drafter, tokens, lengths, jax.random.key(0), **static)
+    static = dict(cfg=CFG, num_draft_tokens=3, max_new_tokens=15, eos_ids=())
+    first = spec.speculative_decode(WEIGHTS, drafter, tokens, lengths, jax.random.key(0), sampling, **static)
+    # Other prompts, and other sampling values in every row (mixed, one greedy): the same executable.
     tokens2, lengths2 = pack_prompts(PROMPTS[::-1], 4)
-    spec.speculative_decode(WEIGHTS, drafter, tokens2, lengths2, jax.random.key(1), **static)
+    mixed = [SamplingConfig(0.7, 5, 0.9), SamplingConfig(), SamplingConfig(1.5), SamplingConfig(1.0, top_p=0.5)]
+    spec.speculative_decode(WEIGHTS, drafter, tokens2, lengths2, jax.random.key(1), Sampling.of(mixed, 4), **static)
     assert len(traces) == 1
 
     state = first.state
@@ -116,11 +118,11 @@ def test_cache_equals_fresh_prefill_and_traces_once(monkeypatch):
 
 
 def test_generate_reuses_the_executable():
-    kw = dict(drafter=DRAFTERS["ngram"], num_draft_tokens=3, max_new_tokens=6, sampling=SamplingConfig(0.8))
-    first = spec.generate(WEIGHTS, CFG, PROMPTS, seed=0, **kw)
-    second = spec.generate(WEIGHTS, CFG, PROMPTS[::-1], seed=1, **kw)
-    again = spec.generate(WEIGHTS, CFG, PROMPTS, seed=0, **kw)
-    assert second.compile_seconds == 0 and again.compile_seconds == 0
+    kw = dict(drafter=DRAFTERS["ngram"], num_draft_tokens=3, max_new_tokens=6)
+    first = spec.generate(WEIGHTS, CFG, PROMPTS, seed=0, sampling=SamplingConfig(0.8), **kw)
+    second = spec.generate(WEIGHTS, CFG, PROMPTS[::-1], seed=1, sampling=SamplingConfig(0.3, top_p=0.9), **kw)
+    again = spec.generate(WEIGHTS, CFG, PROMPTS, seed=0, sampling=SamplingConfig(0.8), **kw)
+    assert second.compile_seconds == 0 and again.compile_seconds == 0  # a new temperature compiles nothing
     assert outputs(again) == outputs(first)
     assert first.stats.tokens_per_s > 0 and first.stats.rounds >= 1
 
@@ -166,29 +168,38 @@ def exact_joint(sampling):
     logits, _, _ = jax.jit(forward, static_argnums=1)(
         TOY_TARGET, TOY, jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(T), (B, T)), KVCache.empty(TOY, B, T)
     )
-    probs = np.asarray(probabilities(logits, sampling), np.float64).reshape(V, V, T, V)
+    probs = np.asarray(probabilities(logits, Sampling.of(sampling)), np.float64).reshape(V, V, T, V)
     p1 = probs[0, 0, 1]  # [V]
     p2 = probs[:, 0, 2]  # [t1, V]
     p3 = probs[:, :, 3]  # [t1, t2, V]
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sampled_joint(sampling, drafter, k=2, seed=0):
-    tokens = np.tile(np.array(TOY_PROMPT, np.int32), (SAMPLES, 1))  # unpadded: [SAMPLES, 2]
-    lengths = np.full((SAMPLES,), len(TOY_PROMPT), np.int32)
+def sampled_outputs(sampling, drafter, k=2, seed=0):
+    """The first 3 tokens of SAMPLES rows as one index into [V, V, V]; `sampling` is one setting or one per row."""
+    tokens, lengths = np.array([TOY_PROMPT], np.int32), np.array([len(TOY_PROMPT)], np.int32)
+    rows = Sampling.of(sampling, None if isinstance(sampling, SamplingConfig) else SAMPLES)
     out = spec.speculative_decode(
-        TOY_TARGET, drafter, tokens, lengths, jax.random.key(seed),
-        cfg=TOY, sampling=sampling, num_draft_tokens=k, max_new_tokens=3, eos_ids=(),
-    ).out_bn  # fmt: skip
+        TOY_TARGET, drafter, tokens, lengths, jax.random.key(seed), rows,
+        cfg=TOY, num_draft_tokens=k, max_new_tokens=3, eos_ids=(), num_samples=SAMPLES,
+    ).out_bn  # SAMPLES rows that share the prompt's prefill  # fmt: skip
     V = TOY.vocab_size
-    flat = np.asarray(out) @ np.array([V * V, V, 1])
-    return np.bincount(flat, minlength=V**3).reshape(V, V, V) / SAMPLES
+    return np.asarray(out) @ np.array([V * V, V, 1])
 
 
-def tv_bound(exact):
-    """About 2x the expected total variation of SAMPLES draws from `exact` (sampling noise alone)."""
+def joint(flat):
+    V = TOY.vocab_size
+    return np.bincount(flat, minlength=V**3).reshape(V, V, V) / len(flat)
+
+
+def sampled_joint(sampling, drafter, k=2, seed=0):
+    return joint(sampled_outputs(sampling, drafter, k, seed))
+
+
+def tv_bound(exact, samples=SAMPLES):
+    """About 2x the expected total variation of `samples` draws from `exact` (sampling noise alone)."""
     p = exact.ravel()
-    return 2.0 * 0.5 * np.sum(np.sqrt(2 * p * (1 - p) / (np.pi * SAMPLES)))
+    return 2.0 * 0.5 * np.sum(np.sqrt(2 * p * (1 - p) / (np.pi * samples)))
 
 
 def tv(a, b):
@@ -212,6 +223,19 @@ def test_sampled_distribution_equals_target(name):
     if name == "t1":  # treating the draft token as certain (q = 1) is exact too, it only accepts less
         one_hot = sampled_joint(sampling, ClaimedProbs(TOY_DRAFT, "one_hot"))
         assert tv(one_hot, exact) < tv_bound(exact), (tv(one_hot, exact), tv_bound(exact))
+
+
+def test_mixed_rows_each_follow_their_own_setting():
+    """One batch, four settings in turn (one greedy): every row is distributed as target sampling with its own."""
+    settings = [SAMPLINGS["top_k"], SamplingConfig(temperature=0.6, top_p=0.7), SamplingConfig(), SAMPLINGS["t1"]]
+    flat = sampled_outputs([settings[i % 4] for i in range(SAMPLES)], TOY_DRAFT)
+    for i, setting in enumerate(settings):
+        exact = exact_joint(setting)
+        if setting.greedy:
+            assert len(set(flat[i::4])) == 1 and exact.ravel()[flat[i]] == 1.0  # the argmax path, every time
+        else:
+            empirical = joint(flat[i::4])
+            assert tv(empirical, exact) < tv_bound(exact, SAMPLES // 4), (setting, tv(empirical, exact))
 
 
 def test_broken_rules_miss_the_target_distribution(monkeypatch):

@@ -29,8 +29,8 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-from specjax.config import ModelConfig, SamplingConfig
-from specjax.sampling import probabilities
+from specjax.config import ModelConfig
+from specjax.sampling import Sampling, probabilities
 from specjax.tree import DraftTree, TreeSpec
 
 
@@ -71,7 +71,7 @@ class Drafter(Protocol):
         *,
         num_draft_tokens: int,
         vocab_size: int,
-        sampling: SamplingConfig,
+        sampling: Sampling,
     ) -> tuple[jax.Array, jax.Array, Any]:
         """Drafts the next K tokens of each row as a chain (inside the jit).
 
@@ -82,7 +82,8 @@ class Drafter(Protocol):
           key: PRNG key for sampling the drafts.
           num_draft_tokens: static K.
           vocab_size: static V of the target (draft_probs must have it).
-          sampling: static; the same processing the target uses (`sampling.probabilities`).
+          sampling: the rows' values, the same processing the target uses (`specjax.sampling.probabilities`);
+            `sampling.greedy` is static.
         Returns:
           (draft tokens int32 [B, K], draft_probs float32 [B, K, V] — the exact distribution each draft token was
           drawn from, state).
@@ -97,7 +98,7 @@ class Drafter(Protocol):
         *,
         shape: TreeSpec,
         vocab_size: int,
-        sampling: SamplingConfig,
+        sampling: Sampling,
     ) -> tuple[DraftTree, Any]:
         """Drafts the round's tree of `shape` (= `draft_shape(K)`), rooted at each row's pending token (inside the jit).
 
@@ -135,7 +136,7 @@ class BaseDrafter:
         return DraftTree.chain(pending_b, draft_bk, draft_probs_bkv), state
 
 
-def draw(key: jax.Array, logits_bv: jax.Array, sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+def draw(key: jax.Array, logits_bv: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array]:
     """Draws a token from processed logits and returns it with the distribution it was drawn from.
 
     Returns:

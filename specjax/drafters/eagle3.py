@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.config import ModelConfig, SamplingConfig
+from specjax.config import ModelConfig
 from specjax.drafters.base import BaseDrafter, draw
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
 from specjax.models.eagle3 import Eagle3Head
 from specjax.models.llama import attend
+from specjax.sampling import Sampling
 from specjax.tree import DraftTree, TreeSpec, grow_tree
 
 
@@ -201,7 +202,7 @@ class Eagle3Drafter(BaseDrafter):
         return tree, dataclasses.replace(state, cache=cache)
 
 
-def _draw(head: Eagle3Head, key: jax.Array, logits_bv: jax.Array, sampling: SamplingConfig):
+def _draw(head: Eagle3Head, key: jax.Array, logits_bv: jax.Array, sampling: Sampling):
     """`draw` from draft-vocabulary logits [B, Vd]: (target id [B], draft_probs [B, V]). Greedy picks the argmax
     among the Vd columns (the one-hot it returns is not read by greedy acceptance, so it is never computed)."""
     if sampling.greedy:

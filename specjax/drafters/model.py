@@ -13,11 +13,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.config import ModelConfig, SamplingConfig
+from specjax.config import ModelConfig
 from specjax.drafters.base import BaseDrafter, draw
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
+from specjax.sampling import Sampling
 
 
 def _static(default=dataclasses.MISSING):
@@ -39,7 +40,7 @@ def _draft_chain(
     length_b: jax.Array,
     key: jax.Array,
     num_draft_tokens: int,
-    sampling: SamplingConfig,
+    sampling: Sampling,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """K autoregressive draft steps after re-running the last two committed tokens. Returns (tokens, probs, cache)."""
     B = tokens_bs.shape[0]
