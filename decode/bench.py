@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from decode import cli
 from specjax import speculative
+from specjax.adaptive import Adaptive
 from specjax.calibrate import drafter_seconds, forward_costs, forward_seconds, round_breakdown
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.defaults import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM, DEFAULT_TREE
@@ -39,7 +40,8 @@ class ModeRun:
     batch_tokens: list[int]
     histogram: list[int] | None = None  # speculative modes: row-rounds that accepted 0..K drafts, summed
     rounds: int = 0
-    breakdown: dict | None = None  # speculative modes: where a round's time goes (specjax.calibrate)
+    rounds_by_drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # speculative modes
+    breakdown: dict | None = None  # speculative modes with a fixed K: where a round's time goes (specjax.calibrate)
 
     def summary(self, ar: ModeRun | None, greedy: bool) -> dict:
         rates = [n / s for n, s in zip(self.batch_tokens, self.batch_seconds)]
@@ -61,6 +63,7 @@ class ModeRun:
             # Per batch against ar on the same batch (measured next to it), then the median: robust to drift.
             "speedup_vs_ar": statistics.median(r / a for r, a in zip(rates, ar_rates)) if ar else None,
             "identical_to_ar": (self.outputs == ar.outputs) if (ar and greedy) else None,
+            **({"rounds_by_drafts": self.rounds_by_drafts} if len(self.rounds_by_drafts) > 1 else {}),
             **({"breakdown": self.breakdown} if self.breakdown else {}),
         }
 
@@ -128,7 +131,7 @@ class SpeculativeRunner:
     sampling: SamplingConfig
     eos: tuple[int, ...]
     batch_size: int
-    num_draft_tokens: int  # K of the loop: the round's draft is `drafter.draft_shape(K)`
+    num_draft_tokens: int | Adaptive  # K of the loop (the round's draft is `drafter.draft_shape(K)`), or a menu
     draft_steps: int  # drafter steps per round: K, the fallback's K for lookup first, a tree's depth
 
     def __call__(self, group, max_new_tokens, seed):
@@ -161,10 +164,13 @@ def specjax_speculative(mode: str) -> Callable[..., SpeculativeRunner]:
         spec = drafter_spec(mode, model.cfg, options["ngram"], options["draft_layers"], options["eagle3"])
         drafter = drafter_from_spec(spec, model.weights, model.cfg, tree=tree)
         k = tree.depth if tree is not None else options["num_draft_tokens"]  # a tree's round is its own
-        if k == "auto":
-            k = cli.auto_draft_tokens(model, drafter, options["calibration_prompt"], sampling, eos)
         lookup_tokens = options["lookup_tokens"] if mode == "ngram-eagle3" else None
-        drafter, verified = with_lookup_tokens(drafter, k, lookup_tokens)
+        if options["auto"] or k == "auto":
+            if lookup_tokens is not None:
+                raise InputError("--lookup-tokens needs a fixed --num-draft-tokens, not auto")
+            verified = cli.adaptive_drafting(model, drafter, sampling, batch_size, options["context"])
+        else:
+            drafter, verified = with_lookup_tokens(drafter, k, lookup_tokens)
         speculative.check_inputs(model.cfg, drafter, verified)
         return SpeculativeRunner(model, drafter, sampling, eos, batch_size, verified, draft_steps=k)
 
@@ -201,6 +207,8 @@ def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int) 
                 hist = stats[0].accepted_histogram
                 run.histogram = [a + b for a, b in zip(run.histogram, hist)] if run.histogram else list(hist)
                 run.rounds += stats[0].rounds
+                for size, rounds in stats[0].rounds_by_drafts.items():
+                    run.rounds_by_drafts[size] = run.rounds_by_drafts.get(size, 0) + rounds
     return runs
 
 
@@ -273,10 +281,14 @@ def parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="specjax-bench", description=__doc__)
     cli.add_model_args(p, batch_default="1")
     cli.add_sampling_args(p)
-    p.add_argument("--modes", default="ar,hf", help=f"comma-separated, from: {', '.join(MODES)}")
+    p.add_argument(
+        "--modes", default="ar,hf",
+        help=f"comma-separated, from: {', '.join(MODES)}; a speculative mode with ':auto' (e.g. ngram:auto) drafts "
+        "adaptively, beside the same mode with a fixed K",
+    )  # fmt: skip
     p.add_argument(
         "--num-draft-tokens", type=cli.draft_tokens, default=DEFAULT_DRAFT_TOKENS,
-        help="K for the chain modes; 'auto' calibrates K per mode on the first prompt",
+        help="K for the chain modes; 'auto': every speculative mode drafts adaptively (specjax.adaptive)",
     )  # fmt: skip
     p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, help="n-gram size of the ngram and ngram-eagle3 modes")
     p.add_argument(
@@ -305,9 +317,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     sampling = cli.sampling_from_args(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in MODES and not (m.endswith(":auto") and m[:-5] in SPECULATIVE_MODES)]
     if unknown or not modes:
-        raise InputError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+        raise InputError(
+            f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}, or a speculative one with ':auto'"
+        )
     for name in ("--max-new-tokens", "--batch-size", "--num-prompts"):
         cli.check_positive(name, getattr(args, name[2:].replace("-", "_")))
     given = cli.gather_prompts(args)
@@ -326,20 +340,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         groups = groups[:-1]  # a ragged last batch would time a different shape; drop it
     used = sum(len(g) for g in groups)
 
+    context = typical_context(groups, args.max_new_tokens)
     options = dict(
         num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, lookup_tokens=args.lookup_tokens,
-        draft_layers=args.draft_layers,
-        eagle3=args.eagle3, tree=args.tree, calibration_prompt=groups[0][0],
+        draft_layers=args.draft_layers, eagle3=args.eagle3, tree=args.tree, context=context,
     )  # fmt: skip
-    runners = {
-        mode: MODES[mode](model, sampling, eos, batch_size, **(options if mode in SPECULATIVE_MODES else {}))
-        for mode in modes
-    }
+
+    def prepare(mode: str) -> Runner:
+        base, auto = mode.removesuffix(":auto"), mode.endswith(":auto")
+        extra = dict(options, auto=auto) if base in SPECULATIVE_MODES else {}
+        return MODES[base](model, sampling, eos, batch_size, **extra)
+
+    runners = {mode: prepare(mode) for mode in modes}
     runs = measure(runners, groups, args.max_new_tokens, args.seed)
-    context = typical_context(groups, args.max_new_tokens)
-    for mode in SPECULATIVE_MODES:
-        if mode in runs:
-            add_breakdown(runs[mode], runners[mode], len(groups[0]), context)
+    for mode, runner in runners.items():
+        if isinstance(runner, SpeculativeRunner) and not isinstance(runner.num_draft_tokens, Adaptive):
+            add_breakdown(runs[mode], runner, len(groups[0]), context)
     ar = runs.get("ar")
     rows = [runs[m].summary(ar, sampling.greedy) for m in modes]
     sweep = forward_cost_sweep(model, batch_size, context, args.forward_costs) if args.forward_costs else []

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specjax.config import SamplingConfig
+from specjax.defaults import CALIBRATION_DRAFT_TOKENS
 from specjax.errors import InputError, SpecjaxError
 from specjax.io.tokenizer import Tokenizer
 
@@ -167,14 +168,13 @@ def draft_tokens(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
-def auto_draft_tokens(model, drafter, prompt_ids, sampling, eos) -> int:
-    """K chosen by `specjax.calibrate.choose_num_draft_tokens`, reported on stderr."""
-    from specjax.calibrate import choose_num_draft_tokens
+def adaptive_drafting(model, drafter, sampling, batch: int, context: int):
+    """`--num-draft-tokens auto`: the calibrated menu of `specjax.adaptive`, reported on stderr."""
+    from specjax.adaptive import calibrated
 
-    k, b = choose_num_draft_tokens(model.weights, model.cfg, drafter, prompt_ids, sampling=sampling, eos_ids=eos)
-    print(
-        f"[auto K = {k}: measured alpha {b['alpha']:.2f}, draft cost c {b['cost_ratio']:.2f}, "
-        f"verify cost {b['verify_ratio']:.2f}x a target step]",
-        file=sys.stderr,
+    adaptive = calibrated(
+        model.weights, model.cfg, drafter, CALIBRATION_DRAFT_TOKENS, batch=batch, context=context, sampling=sampling
     )
-    return k
+    costs = ", ".join(f"{k}: {c:.2f}" for k, c in zip(adaptive.menu, adaptive.cost.tolist()))
+    print(f"[adaptive drafting, cost of a round in plain steps by draft size: {costs}]", file=sys.stderr)
+    return adaptive

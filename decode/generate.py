@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 from decode import cli
 from specjax import speculative
-from specjax.defaults import DEFAULT_DRAFT_TOKENS
+from specjax.adaptive import Adaptive
 from specjax.drafters import SPEC_HELP, drafter_from_spec, with_lookup_tokens
+from specjax.errors import InputError
 from specjax.generate import generate
 from specjax.io.models import load_model
 from specjax.tree import TreeSpec
@@ -23,8 +24,9 @@ def parser() -> cli.ArgumentParser:
     cli.add_sampling_args(p)
     p.add_argument("--drafter", default="none", help=f"speculative drafter: {SPEC_HELP}")
     p.add_argument(
-        "--num-draft-tokens", type=cli.draft_tokens, default=DEFAULT_DRAFT_TOKENS,
-        help="K, draft tokens per round (with --drafter); 'auto' picks K from a short calibration",
+        "--num-draft-tokens", type=cli.draft_tokens, default="auto",
+        help="K, draft tokens per round (with --drafter); 'auto' (the default): every round picks its draft size, "
+        "plain decoding included, from this machine's measured costs and the acceptance so far",
     )  # fmt: skip
     p.add_argument(
         "--lookup-tokens", type=int, default=None,
@@ -65,17 +67,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=_load_draft, tree=tree)
     prompt_ids = cli.encode_prompts(tok, prompts, args.raw)
     eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(tok.eos_token_ids)))
-    if drafter is not None and args.num_draft_tokens == "auto":  # a tree's round is its own: K is its depth
-        args.num_draft_tokens = (
-            tree.depth if tree is not None else cli.auto_draft_tokens(model, drafter, prompt_ids[0], sampling, eos)
-        )
-    drafter, verified = with_lookup_tokens(drafter, args.num_draft_tokens, args.lookup_tokens)
-    if drafter is not None:
-        speculative.check_inputs(model.cfg, drafter, verified)
     samples = args.num_samples
     rows = args.batch_size or (min(samples, 64) if samples > 1 else 8)
     per_call = max(1, min(rows // samples, len(prompts)))  # prompts per batch (more would decode padding rows)
     batch_size = per_call * samples
+    verified = args.num_draft_tokens
+    if drafter is not None and verified == "auto":
+        if args.lookup_tokens is not None:
+            raise InputError("--lookup-tokens needs a fixed --num-draft-tokens")
+        context = max(map(len, prompt_ids)) + args.max_new_tokens // 2
+        verified = cli.adaptive_drafting(model, drafter, sampling, batch_size, context)
+    else:
+        drafter, verified = with_lookup_tokens(drafter, verified, args.lookup_tokens)
+    if drafter is not None:
+        speculative.check_inputs(model.cfg, drafter, verified)
 
     results = []
     for start, group in zip(range(0, len(prompts), per_call), cli.batches(prompt_ids, per_call)):
@@ -100,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "mean_accepted": out.stats.mean_accepted,
                 "rounds": out.stats.rounds,
                 "acceptance_by_position": out.stats.acceptance_by_position,
+                "rounds_by_drafts": out.stats.rounds_by_drafts,
             }
             if args.compare_ar:
                 ar = generate(model.weights, model.cfg, group, **kw)
@@ -129,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 s = r["stats"]
                 print(f"\n>>> {r['prompt']}\n{r['text']}")
                 accepted = f", mean accepted length {s['mean_accepted']:.2f}" if "mean_accepted" in s else ""
+                if len(s.get("rounds_by_drafts", ())) > 1:
+                    accepted += f", rounds by draft size {s['rounds_by_drafts']}"
                 print(
                     f"[{s['new_tokens']} tokens, {r['finish_reason']}; batch of {len(out.completions)}: "
                     f"{out.new_tokens / out.seconds:.1f} tok/s{accepted}]"
@@ -152,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "raw": args.raw,
             "drafter": args.drafter,
             "num_draft_tokens": args.num_draft_tokens if drafter is not None and tree is None else None,
+            "draft_sizes": list(verified.menu) if isinstance(verified, Adaptive) else None,
             "lookup_tokens": args.lookup_tokens,
             "tree": args.tree,
             "num_samples": args.num_samples,

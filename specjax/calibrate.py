@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.defaults import CALIBRATION_DRAFT_TOKENS
 from specjax.drafters.base import Drafter
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
@@ -165,38 +164,3 @@ def round_breakdown(
         "predicted_speedup": predicted,
         **({} if drafter_s is None else {"drafter_ms": 1000 * drafter_s, "rest_ms": 1000 * (draft_s - drafter_s)}),
     }
-
-
-def choose_num_draft_tokens(
-    weights: Weights,
-    cfg: ModelConfig,
-    drafter: Drafter,
-    prompt_ids: list[int],
-    *,
-    sampling,
-    eos_ids,
-    probe_k: int = CALIBRATION_DRAFT_TOKENS,
-    max_new_tokens: int = 48,
-) -> tuple[int, dict]:
-    """`--num-draft-tokens auto`: a short speculative run with K = probe_k measures alpha and c, and the speedup
-    model picks the K that maximises the expected speedup.
-
-    Returns:
-      (K, the probe's round breakdown).
-    """
-    from specjax import speculative
-    from specjax.speedup import optimal_num_draft_tokens
-
-    def run(n: int):
-        return speculative.generate(
-            weights, cfg, [prompt_ids], drafter=drafter, num_draft_tokens=probe_k, max_new_tokens=n,
-            sampling=sampling, eos_ids=eos_ids,
-        )  # fmt: skip
-
-    run(max_new_tokens)  # compiles, so the probe below times decoding only
-    probe = run(max_new_tokens)
-    costs = forward_costs(weights, cfg, 1, len(prompt_ids) + max_new_tokens // 2, probe_k + 1)
-    stats = probe.stats
-    breakdown = round_breakdown(costs, probe.seconds, stats.rounds, stats.mean_accepted, probe_k)
-    k = optimal_num_draft_tokens(breakdown["alpha"], breakdown["cost_ratio"], max_draft_tokens=probe_k)
-    return k, breakdown

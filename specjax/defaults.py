@@ -6,7 +6,14 @@ Tree shapes are written as the command line takes them, "depth,topk,budget" (`sp
 DEFAULT_DRAFT_TOKENS = 5  # K, drafts per round, of specjax-generate and specjax-bench when none is given
 DEFAULT_NGRAM = 3  # the longest tail prompt lookup matches, and the tail lookup first needs to recur
 DEFAULT_TREE = "5,3,10"  # specjax-bench's eagle3-tree mode: the fastest of those tried on a 2-core CPU
-CALIBRATION_DRAFT_TOKENS = 8  # `--num-draft-tokens auto`: K of the probe run, and the largest K it picks
+CALIBRATION_DRAFT_TOKENS = 8  # `--num-draft-tokens auto`: the largest K it drafts
+
+# Adaptive drafting (specjax.adaptive): the draft sizes a chain drafter's menu offers (up to its largest K), a row's
+# acceptance rate before it has drafted, how far one round moves it, and how far a plain step moves it back.
+ADAPTIVE_MENU = (1, 2, 3, 5)
+ADAPTIVE_PRIOR = 0.6
+OBSERVE_WEIGHT = 0.3
+PRIOR_DRIFT = 0.02
 
 EVAL_DRAFT_TOKENS = 5  # the train evaluate stage's chain
 EVAL_TREE = "5,4,24"  # the train evaluate stage's tree

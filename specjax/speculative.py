@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.acceptance import accept
+from specjax.adaptive import Adaptive, choose, observe
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.defaults import MAX_DRAFT_TOKENS
 from specjax.drafters.base import Drafter
@@ -37,7 +38,7 @@ from specjax.generate import Completion, _compiled, _is_eos, completions, prefil
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.sampling import Sampling, sample
-from specjax.tree import compact_path, path_to
+from specjax.tree import DraftTree, TreeSpec, compact_path, path_to
 
 
 @jax.tree_util.register_dataclass
@@ -52,6 +53,8 @@ class SpecState:
     key: jax.Array
     rounds: jax.Array  # [] loop iterations
     accepted_hist: jax.Array  # [D + 1] row-rounds (of rows still running) that accepted 0..D drafts (D: the depth)
+    menu_rounds: jax.Array  # [S] rounds of each menu entry (one entry, K, without adaptive drafting)
+    rate_b: jax.Array  # [B] float32 running acceptance estimates (specjax.adaptive; unused without it)
 
 
 @jax.tree_util.register_dataclass
@@ -61,6 +64,7 @@ class SpecOutput:
     num_new_b: jax.Array  # [B]
     rounds: jax.Array  # []
     accepted_hist: jax.Array  # [D + 1]
+    menu_rounds: jax.Array  # [S]
     state: SpecState  # the final state (target cache, token buffer) for inspection
 
 
@@ -73,6 +77,7 @@ def speculative_decode(
     key: jax.Array,
     sampling: Sampling,
     active_b: jax.Array | None = None,
+    adaptive: Adaptive | None = None,
     *,
     cfg: ModelConfig,
     num_draft_tokens: int,
@@ -92,8 +97,11 @@ def speculative_decode(
         again; only `sampling.greedy` is static).
       active_b: optional bool [B]; rows that are False (batch padding) start finished: they generate one token,
         never run a round and do not count in the statistics.
+      adaptive: optional; every round then picks its draft size from `adaptive.menu` (`specjax.adaptive`), which
+        replaces num_draft_tokens.
       cfg: static target config.
-      num_draft_tokens: static K >= 1; the drafter's `draft_shape(K)` is the shape of every round's draft.
+      num_draft_tokens: static K >= 1; the drafter's `draft_shape(K)` is the shape of every round's draft (without
+        `adaptive`).
       max_new_tokens: static; at most this many tokens per row.
       eos_ids: static; a row stops after producing one of these.
       num_samples: static; rows per prompt (adjacent), sharing the prompt's target prefill.
@@ -102,10 +110,11 @@ def speculative_decode(
     """
     U, P = tokens_up.shape
     B = U * num_samples
-    shape = drafter.draft_shape(num_draft_tokens)
-    D = shape.depth
+    menu = adaptive.menu if adaptive is not None else (num_draft_tokens,)
+    shapes = [drafter.draft_shape(k) if k else TreeSpec.chain(0) for k in menu]  # chain(0): a plain step
+    D = max(shape.depth for shape in shapes)
     taps = drafter.tap_layers
-    num_slots = P + max_new_tokens + shape.capacity
+    num_slots = P + max_new_tokens + max(shape.capacity for shape in shapes)
     pad = eos_ids[0] if eos_ids else 0
     # The barrier keeps XLA from constant-folding attention over the empty (all-zero) cache, which took minutes to
     # compile at large batch sizes.
@@ -128,57 +137,80 @@ def speculative_decode(
         key=key,
         rounds=jnp.int32(0),
         accepted_hist=jnp.zeros((D + 1,), jnp.int32),
+        menu_rounds=jnp.zeros((len(menu),), jnp.int32),
+        rate_b=jnp.broadcast_to(adaptive.prior if adaptive is not None else jnp.float32(0), (B,)),
     )
-    j = jnp.arange(D + 1)[None, :]
 
-    def step(s: SpecState) -> SpecState:
-        key, k_draft, k_accept = jax.random.split(s.key, 3)
-        draft, draft_state = drafter.propose_tree(
-            s.draft_state, s.tokens_bs, s.length_b, k_draft, shape=shape, vocab_size=cfg.vocab_size, sampling=sampling
-        )
-        base = s.length_b - 1
-        logits, taps_btf, cache = forward(
-            weights, cfg, draft.tokens, base[:, None] + draft.depths, s.cache,
-            new_mask_btt=None if shape.is_chain else draft.ancestors, tap_layers=taps,
-        )  # fmt: skip
-        n, nxt, last = accept(k_accept, draft, logits, sampling)
-        path_tokens, path_taps = draft.tokens, taps_btf  # a chain's path: nodes 0 .. n, in place
-        if not shape.is_chain:
-            path = path_to(draft, last, n, D)
-            cache = compact_path(cache, base, path)
-            path_tokens = jnp.take_along_axis(draft.tokens, path, axis=1)
-            path_taps = None if taps_btf is None else jnp.take_along_axis(taps_btf, path[..., None], axis=1)
-        # Emitted this round: the accepted drafts, then nxt; cut at the first EOS and at max_new_tokens.
-        emitted = jnp.where(j < n[:, None], jnp.roll(path_tokens, -1, axis=1), nxt[:, None])
-        eos_at = jnp.where(_is_eos(emitted, eos_ids) & (j <= n[:, None]), j, D + 1).min(axis=1)
-        count = jnp.minimum(jnp.minimum(n + 1, eos_at + 1), max_new_tokens - s.num_new_b)
-        count = jnp.where(s.done_b, 0, count)
-        slots = s.length_b[:, None] + j
-        tokens_bs = s.tokens_bs.at[rows[:, None], jnp.where(j < count[:, None], slots, num_slots)].set(
-            emitted, mode="drop"
-        )
-        num_new = s.num_new_b + count
-        done = s.done_b | (eos_at < count) | (num_new >= max_new_tokens)
-        draft_state = drafter.commit(draft_state, emitted, path_taps, count)
-        running = (~s.done_b).astype(jnp.int32)
-        hist = s.accepted_hist + jnp.sum(jax.nn.one_hot(n, D + 1, dtype=jnp.int32) * running[:, None], axis=0)
-        return SpecState(
-            tokens_bs=tokens_bs,
-            length_b=s.length_b + count,
-            num_new_b=num_new,
-            done_b=done,
-            cache=cache.advance(count),
-            draft_state=draft_state,
-            key=key,
-            rounds=s.rounds + 1,
-            accepted_hist=hist,
-        )
+    def round_of(entry: int, shape: TreeSpec):
+        """One round drafting `shape` (static); `entry` is its place in the menu."""
+        j = jnp.arange(shape.depth + 1)[None, :]
+
+        def run(s: SpecState) -> SpecState:
+            key, k_draft, k_accept = jax.random.split(s.key, 3)
+            if shape.depth == 0:  # a plain step: the pending token alone, its next token from the target
+                pending_b = jnp.take_along_axis(s.tokens_bs, (s.length_b - 1)[:, None], axis=1)[:, 0]
+                none = jnp.zeros((B, 0), jnp.int32)
+                draft = DraftTree.chain(pending_b, none, jnp.zeros((B, 0, cfg.vocab_size), jnp.float32))
+                draft_state = s.draft_state
+            else:
+                draft, draft_state = drafter.propose_tree(
+                    s.draft_state, s.tokens_bs, s.length_b, k_draft, shape=shape, vocab_size=cfg.vocab_size,
+                    sampling=sampling,
+                )  # fmt: skip
+            base = s.length_b - 1
+            logits, taps_btf, cache = forward(
+                weights, cfg, draft.tokens, base[:, None] + draft.depths, s.cache,
+                new_mask_btt=None if shape.is_chain else draft.ancestors, tap_layers=taps,
+            )  # fmt: skip
+            n, nxt, last = accept(k_accept, draft, logits, sampling)
+            path_tokens, path_taps = draft.tokens, taps_btf  # a chain's path: nodes 0 .. n, in place
+            if not shape.is_chain:
+                path = path_to(draft, last, n, shape.depth)
+                cache = compact_path(cache, base, path)
+                path_tokens = jnp.take_along_axis(draft.tokens, path, axis=1)
+                path_taps = None if taps_btf is None else jnp.take_along_axis(taps_btf, path[..., None], axis=1)
+            # Emitted this round: the accepted drafts, then nxt; cut at the first EOS and at max_new_tokens.
+            emitted = jnp.where(j < n[:, None], jnp.roll(path_tokens, -1, axis=1), nxt[:, None])
+            eos_at = jnp.where(_is_eos(emitted, eos_ids) & (j <= n[:, None]), j, shape.depth + 1).min(axis=1)
+            count = jnp.minimum(jnp.minimum(n + 1, eos_at + 1), max_new_tokens - s.num_new_b)
+            count = jnp.where(s.done_b, 0, count)
+            slots = s.length_b[:, None] + j
+            tokens_bs = s.tokens_bs.at[rows[:, None], jnp.where(j < count[:, None], slots, num_slots)].set(
+                emitted, mode="drop"
+            )
+            num_new = s.num_new_b + count
+            done = s.done_b | (eos_at < count) | (num_new >= max_new_tokens)
+            draft_state = drafter.commit(draft_state, emitted, path_taps, count)
+            running = ~s.done_b
+            hist = s.accepted_hist + jnp.sum(jax.nn.one_hot(n, D + 1, dtype=jnp.int32) * running[:, None], axis=0)
+            return SpecState(
+                tokens_bs=tokens_bs,
+                length_b=s.length_b + count,
+                num_new_b=num_new,
+                done_b=done,
+                cache=cache.advance(count),
+                draft_state=draft_state,
+                key=key,
+                rounds=s.rounds + 1,
+                accepted_hist=hist,
+                menu_rounds=s.menu_rounds.at[entry].add(1),
+                rate_b=s.rate_b if adaptive is None else observe(adaptive, s.rate_b, shape.depth, n, running),
+            )
+
+        return run
+
+    rounds = [round_of(entry, shape) for entry, shape in enumerate(shapes)]
+    if len(rounds) == 1:
+        step = rounds[0]
+    else:
+        depths = [shape.depth for shape in shapes]
+        step = lambda s: jax.lax.switch(choose(adaptive, depths, s.rate_b, ~s.done_b), rounds, s)  # noqa: E731
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), step, state)
     out_slots = lengths_b[:, None] + jnp.arange(max_new_tokens)[None, :]
     out = jnp.take_along_axis(state.tokens_bs, out_slots, axis=1)
     out = jnp.where(jnp.arange(max_new_tokens)[None, :] < state.num_new_b[:, None], out, pad)
-    return SpecOutput(out, state.num_new_b, state.rounds, state.accepted_hist, state)
+    return SpecOutput(out, state.num_new_b, state.rounds, state.accepted_hist, state.menu_rounds, state)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,6 +227,7 @@ class SpecStats:
     accepted_histogram: list[int]  # [D + 1] row-rounds that accepted 0..D drafts (D: K, or a tree's depth)
     new_tokens: int
     tokens_per_s: float
+    rounds_by_drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # rounds of each draft size (menu)
 
     @classmethod
     def from_histogram(cls, rounds: int, hist: Sequence[int], new_tokens: int, seconds: float) -> SpecStats:
@@ -217,16 +250,21 @@ class SpecResult:
         return sum(len(c.output_ids) for c in self.completions)
 
 
-def check_inputs(cfg: ModelConfig, drafter: Drafter, num_draft_tokens: int) -> None:
-    """Raises InputError for a drafter that cannot serve this target, or a chain of K out of range."""
+def check_inputs(cfg: ModelConfig, drafter: Drafter, num_draft_tokens: int | Adaptive) -> None:
+    """Raises InputError for a drafter that cannot serve this target, a chain of K out of range, or an adaptive menu
+    with a plain step for a drafter that cannot follow one."""
     if not isinstance(drafter, Drafter):
         raise InputError(
             f"{type(drafter).__name__} is not a drafter (see specjax.drafters.Drafter: subclass BaseDrafter and "
             "implement propose)"
         )
-    if not 1 <= drafter.draft_shape(num_draft_tokens).depth <= MAX_DRAFT_TOKENS:
-        raise InputError(f"the number of draft tokens must be in 1..{MAX_DRAFT_TOKENS}, got {num_draft_tokens}")
-    drafter.validate(cfg, num_draft_tokens)
+    sizes = num_draft_tokens.menu if isinstance(num_draft_tokens, Adaptive) else (num_draft_tokens,)
+    if 0 in sizes and not drafter.allows_plain_rounds:
+        raise InputError(f"{type(drafter).__name__} cannot follow plain decoding steps: leave 0 out of the menu")
+    for k in (k for k in sizes if k or len(sizes) == 1):
+        if not 1 <= drafter.draft_shape(k).depth <= MAX_DRAFT_TOKENS:
+            raise InputError(f"the number of draft tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}")
+        drafter.validate(cfg, k)
 
 
 def generate(
@@ -235,7 +273,7 @@ def generate(
     prompts: Sequence[Sequence[int]],
     *,
     drafter: Drafter,
-    num_draft_tokens: int,
+    num_draft_tokens: int | Adaptive,
     max_new_tokens: int,
     seed: int = 0,
     sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
@@ -253,7 +291,8 @@ def generate(
       prompts: token ids per prompt (different lengths are fine).
       drafter: an NgramDrafter, LayerSkipDrafter, ModelDrafter, Eagle3Drafter or any other `Drafter`.
       num_draft_tokens: K, drafts per round (1..MAX_DRAFT_TOKENS): the drafter's `draft_shape(K)` sets each round's
-        draft, a chain of K, or a tree drafter's own tree whatever K.
+        draft, a chain of K, or a tree drafter's own tree whatever K. Or an `Adaptive` menu
+        (`specjax.adaptive.calibrated`): every round picks its draft size from it.
       max_new_tokens: the most tokens generated per prompt.
       seed: PRNG seed.
       sampling: one setting for every prompt, or one per prompt; greedy by default.
@@ -266,16 +305,21 @@ def generate(
     """
     check_inputs(cfg, drafter, num_draft_tokens)
     req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
+    adaptive = num_draft_tokens if isinstance(num_draft_tokens, Adaptive) else None
     args = (weights, drafter, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed), req.sampling,
-            jnp.asarray(req.active))  # fmt: skip
-    static = dict(cfg=cfg, num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens, eos_ids=req.eos,
-                  num_samples=num_samples)  # fmt: skip
+            jnp.asarray(req.active), adaptive)  # fmt: skip
+    static = dict(cfg=cfg, num_draft_tokens=0 if adaptive else num_draft_tokens, max_new_tokens=max_new_tokens,
+                  eos_ids=req.eos, num_samples=num_samples)  # fmt: skip
     compiled, compile_seconds = _compiled(speculative_decode, args, static)
     t0 = time.perf_counter()
     result = compiled(*args)
-    out, num_new, rounds, hist = jax.device_get((result.out_bn, result.num_new_b, result.rounds, result.accepted_hist))
+    out, num_new, rounds, hist, by_entry = jax.device_get(
+        (result.out_bn, result.num_new_b, result.rounds, result.accepted_hist, result.menu_rounds)
+    )
     seconds = time.perf_counter() - t0
     results = completions(req.row_prompts, out, num_new, req.eos)
     new_tokens = sum(len(c.output_ids) for c in results)
     stats = SpecStats.from_histogram(int(rounds), hist, new_tokens, seconds)
+    menu = adaptive.menu if adaptive else (num_draft_tokens,)
+    stats = dataclasses.replace(stats, rounds_by_drafts={k: int(r) for k, r in zip(menu, by_entry)})
     return SpecResult(results, seconds, compile_seconds, stats)

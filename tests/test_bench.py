@@ -7,11 +7,13 @@ import statistics
 import pytest
 
 from decode import bench
+from specjax import adaptive
 
 
-def test_bench_writes_json_table_and_plot(tmp_path, capsys):
+def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(adaptive, "cache_dir", lambda: tmp_path / "cache")
     prompts = ["Write a function.", "Name three rivers.", "Count to ten.", "Hello!"]
-    argv = ["--model", "tiny-random", "--modes", "ar,ngram,layerskip", "--max-new-tokens", "12",
+    argv = ["--model", "tiny-random", "--modes", "ar,ngram,ngram:auto,layerskip", "--max-new-tokens", "12",
             "--num-draft-tokens", "3", "--draft-layers", "1", "--forward-costs", "1,4",
             "--out-dir", str(tmp_path)]  # fmt: skip
     for p in prompts:
@@ -22,18 +24,20 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys):
     assert report["config"]["prompt_set"] == "given"
     assert report["config"]["num_draft_tokens"] == 3 and report["config"]["draft_layers"] == 1
     rows = {r["mode"]: r for r in report["modes"]}
-    assert list(rows) == ["ar", "ngram", "layerskip"]
-    for mode in ("ngram", "layerskip"):
+    assert list(rows) == ["ar", "ngram", "ngram:auto", "layerskip"]
+    for mode in ("ngram", "ngram:auto", "layerskip"):
         r = rows[mode]
         assert r["identical_to_ar"] is True
-        assert 1.0 <= r["mean_accepted"] <= 4.0
-        assert r["breakdown"]["verify_ratio"] > 0 and r["breakdown"]["drafter_ms"] > 0
+        assert 1.0 <= r["mean_accepted"] <= 9.0
         assert r["total_tokens"] == rows["ar"]["total_tokens"]
+        if mode != "ngram:auto":  # a fixed K: its round's time split; adaptive rounds have no one K to split
+            assert r["breakdown"]["verify_ratio"] > 0 and r["breakdown"]["drafter_ms"] > 0
+    assert "breakdown" not in rows["ngram:auto"] and len(list((tmp_path / "cache").glob("*/*.json"))) == 1
     assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     table = (tmp_path / "bench.md").read_text()
     assert [r["tokens"] for r in report["forward_costs"]] == [1, 4]
     assert all(r["ms"] > 0 and r["target_steps"] > 0 for r in report["forward_costs"])
-    assert table.count("\n") == (2 + 3) + 1 + (2 + 2) and "| ngram |" in table and "| 4 |" in table
+    assert table.count("\n") == (2 + 4) + 1 + (2 + 2) and "| ngram:auto |" in table and "| 4 |" in table
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "| layerskip |" in capsys.readouterr().out
 

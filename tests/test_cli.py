@@ -179,3 +179,19 @@ def test_num_samples_gives_each_prompt_its_samples_in_one_batch(tiny_folder, tmp
     assert report["config"]["batch_size"] == 6
     assert [r["prompt"] for r in report["results"]] == ["a"] * 3 + ["b"] * 3
     assert len({tuple(r["output_ids"]) for r in report["results"][:3]}) > 1  # three samples, not one copied
+
+
+def test_drafting_is_adaptive_by_default(tiny_folder, tmp_path, monkeypatch, capsys):
+    from specjax import adaptive
+
+    monkeypatch.setattr(adaptive, "cache_dir", lambda: tmp_path / "cache")
+    common = ["--model", str(tiny_folder), "--prompt", "a b a b a b", "--max-new-tokens", "10"]
+    entry([*common, "--json", str(tmp_path / "ar.json")])
+    entry([*common, "--drafter", "ngram", "--json", str(tmp_path / "auto.json")])
+    ar, auto = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ar", "auto"))
+    assert auto["config"]["num_draft_tokens"] == "auto" and auto["config"]["draft_sizes"][0] == 0
+    assert auto["results"][0]["output_ids"] == ar["results"][0]["output_ids"]
+    stats = auto["results"][0]["stats"]
+    assert sum(stats["rounds_by_drafts"].values()) == stats["rounds"]
+    code, err = run_cli(capsys, *common, "--drafter", "ngram+layerskip:1", "--lookup-tokens", "4")
+    assert code == 2 and "--lookup-tokens needs a fixed --num-draft-tokens" in err

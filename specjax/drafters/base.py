@@ -42,6 +42,10 @@ class Drafter(Protocol):
     """Static ids of the target layers whose input residual stream the loop returns from the prefill and every
     verification forward (EAGLE-3); () for drafters that do not read the target's hidden states."""
 
+    allows_plain_rounds: bool
+    """Whether rounds without drafts (plain decoding steps, `specjax.adaptive`) may come between proposals: true when
+    `commit` alone keeps the state current."""
+
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         """Raises InputError when this drafter cannot serve `target_cfg` (host side, before compiling)."""
 
@@ -111,6 +115,7 @@ class BaseDrafter:
     drafts, no taps, nothing to check, no state, nothing to commit."""
 
     tap_layers: tuple[int, ...] = ()
+    allows_plain_rounds: bool = True
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         """Serves any target."""

@@ -78,10 +78,14 @@ def _prefill(weights: Weights, cfg: ModelConfig, tokens_bp: jax.Array, num_slots
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter(BaseDrafter):
-    """A separate draft model (any supported checkpoint whose vocabulary size equals the target's)."""
+    """A separate draft model (any supported checkpoint whose vocabulary size equals the target's).
+
+    Its cache learns the committed text when it proposes (it re-runs the last two committed tokens), not in
+    `commit`, so it cannot follow more than two plain decoding steps in a row: no plain rounds."""
 
     weights: Weights
     cfg: ModelConfig = _static()
+    allows_plain_rounds = False
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         if self.cfg.vocab_size != target_cfg.vocab_size:
@@ -113,6 +117,7 @@ class LayerSkipDrafter(BaseDrafter):
     weights: Weights
     cfg: ModelConfig = _static()  # the target's config
     num_layers: int = _static(1)
+    allows_plain_rounds = False  # as ModelDrafter
 
     def __post_init__(self):
         if not 1 <= self.num_layers <= self.cfg.num_layers - 1:

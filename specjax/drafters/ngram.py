@@ -115,6 +115,10 @@ class LookupFirstDrafter(BaseDrafter):
     def tap_layers(self) -> tuple[int, ...]:
         return self.fallback.tap_layers
 
+    @property
+    def allows_plain_rounds(self) -> bool:
+        return self.fallback.allows_plain_rounds
+
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         self.fallback.validate(target_cfg, num_draft_tokens)
 

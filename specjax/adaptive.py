@@ -1,0 +1,182 @@
+"""Adaptive drafting: every round chooses how much to draft, from a menu compiled into the one loop.
+
+The menu holds draft sizes k, ascending; 0 is a plain decoding step (no drafts, one target token per row). Entry k
+drafts the drafter's `draft_shape(k)`: a chain of k, or a tree drafter's own tree. The loop compiles one round per
+entry and `lax.switch`es between them each round, so the shapes stay fixed and nothing compiles again.
+
+The choice (`choose`). Each row keeps a running estimate r_b of its acceptance rate per draft depth. A round whose
+draft is d deep is expected to emit (1 - r^(d+1)) / (1 - r) tokens in row b (the model of Leviathan et al. 2023,
+`specjax.speedup`), and costs `cost[entry]` plain steps of this batch, measured on this machine (`menu_costs`). The
+round takes the entry with the most expected tokens of the running rows per unit of cost.
+
+The estimates (`observe`). After a round d deep in which row b accepted n drafts, r_b moves toward n / min(n + 1, d),
+the share of the depths it tried that it accepted, by OBSERVE_WEIGHT. After a plain step it drifts toward the prior
+by PRIOR_DRIFT, so a drafter that stopped paying is tried again now and then.
+
+Exactness. The choice is a function of the estimates, which are functions of past rounds' acceptances: it is fixed
+before the round draws anything. Given the past, every round is an exact speculative round of its own shape (a plain
+step is a round of no drafts), so by induction over rounds the output is distributed as target sampling, and greedy
+output is identical to greedy decoding (docs/speculative-decoding.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.defaults import ADAPTIVE_MENU, ADAPTIVE_PRIOR, OBSERVE_WEIGHT, PRIOR_DRIFT
+from specjax.drafters.base import Drafter
+from specjax.errors import InputError
+from specjax.io.gguf import cache_dir
+from specjax.models.llama import Weights
+from specjax.speedup import expected_tokens_per_round
+from specjax.tree import TreeSpec
+
+_MAX_RATE = 0.999  # the geometric model's sum diverges at r = 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Adaptive:
+    """The menu (static) and what its entries cost (data: another calibration reuses the executable)."""
+
+    cost: jax.Array  # float32 [S]: a round of each entry, in plain decoding steps of the same batch
+    prior: jax.Array  # float32 []: a row's acceptance rate before it has drafted
+    menu: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # draft sizes; 0: plain step
+
+    @classmethod
+    def of(cls, menu: Sequence[int], cost: Sequence[float], prior: float = ADAPTIVE_PRIOR) -> Adaptive:
+        """Validates the menu (distinct sizes >= 0, ascending) and one finite positive cost per entry."""
+        menu = tuple(int(k) for k in menu)
+        if not menu or list(menu) != sorted(set(menu)) or menu[0] < 0:
+            raise InputError(f"an adaptive menu lists distinct draft sizes >= 0 in ascending order, got {menu}")
+        if len(cost) != len(menu) or not all(math.isfinite(c) and c > 0 for c in cost):
+            raise InputError(f"an adaptive menu needs one finite cost > 0 per entry, got {list(cost)} for {menu}")
+        if not 0 <= prior <= 1:
+            raise InputError(f"the prior acceptance rate must be in [0, 1], got {prior}")
+        return cls(jnp.asarray(cost, jnp.float32), jnp.float32(prior), menu)
+
+
+def expected_tokens(rate_b: jax.Array, depth: int) -> jax.Array:
+    """Tokens a round of drafts `depth` deep is expected to emit per row, the correction or bonus included."""
+    r = jnp.clip(rate_b, 0.0, _MAX_RATE)
+    return (1 - r ** (depth + 1)) / (1 - r)
+
+
+def choose(adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, running_b: jax.Array) -> jax.Array:
+    """The menu entry with the most expected tokens of the running rows per unit of cost (int32 [])."""
+    gain = jnp.stack([jnp.sum(jnp.where(running_b, expected_tokens(rate_b, d), 0.0)) for d in depths])
+    return jnp.argmax(gain / adaptive.cost).astype(jnp.int32)
+
+
+def observe(adaptive: Adaptive, rate_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array) -> jax.Array:
+    """The running rows' estimates after a round `depth` deep (static) in which they accepted n_b drafts."""
+    if depth == 0:
+        target, weight = adaptive.prior, PRIOR_DRIFT
+    else:
+        target, weight = n_b / jnp.minimum(n_b + 1, depth), OBSERVE_WEIGHT
+    return jnp.where(running_b, rate_b + weight * (target - rate_b), rate_b)
+
+
+def useful_entries(menu: Sequence[int], depths: Sequence[int], cost: Sequence[float]) -> list[int]:
+    """The entries that are the best choice for some acceptance rate in [0, 1): the others would never run, so they
+    are left out of the loop (each entry is compiled)."""
+    best = set()
+    for i in range(1000):
+        gains = [expected_tokens_per_round(min(i / 1000, _MAX_RATE), d) / c for d, c in zip(depths, cost)]
+        best.add(max(range(len(menu)), key=gains.__getitem__))
+    return sorted(best)
+
+
+def machine() -> str:
+    """The device this process computes on, as calibration keys it: the accelerator kind, or the CPU model and
+    core count."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        return f"{device.platform}:{device.device_kind}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"cpu:{model}:{os.cpu_count()}"
+
+
+def menu_costs(
+    weights: Weights,
+    cfg: ModelConfig,
+    drafter: Drafter,
+    menu: Sequence[int],
+    *,
+    batch: int,
+    context: int,
+    sampling: SamplingConfig,
+    reps: int = 5,
+) -> list[float]:
+    """The cost of a round of each menu entry in plain decoding steps: the target's forward over the entry's
+    verified tokens plus the drafter's own work (`specjax.calibrate`), measured once per machine, model shapes,
+    drafter, batch, context and greedy-or-sampled, then read from `$SPECJAX_CACHE/calibration`."""
+    from specjax.calibrate import drafter_seconds, forward_seconds
+
+    shapes = [drafter.draft_shape(k) if k else None for k in menu]
+    signature = {
+        "machine": machine(),
+        "target": repr(cfg),
+        "dtype": str(weights.embed.dtype),
+        "drafter": repr(jax.tree.structure(drafter)),
+        "drafter_leaves": [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(drafter)],
+        "menu": list(menu),
+        "batch": batch,
+        "context": context,
+        "greedy": sampling.greedy,
+    }
+    key = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:20]
+    path = cache_dir() / "calibration" / f"{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())["cost"]
+    verified = [1 if s is None else s.budget for s in shapes]
+    forward = forward_seconds(weights, cfg, batch, context, sorted(set(verified)), reps)
+    forward_at = dict(zip(sorted(set(verified)), forward))
+    cost = [
+        (forward_at[v] + (drafter_seconds(drafter, cfg, batch, context, k, sampling, reps) if k else 0.0))
+        / forward_at[1]
+        for k, v in zip(menu, verified)
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**signature, "cost": cost}, indent=1))
+    os.replace(tmp, path)
+    return cost
+
+
+def calibrated(
+    weights: Weights,
+    cfg: ModelConfig,
+    drafter: Drafter,
+    max_draft_tokens: int,
+    *,
+    batch: int,
+    context: int,
+    sampling: SamplingConfig,
+) -> Adaptive:
+    """`--num-draft-tokens auto`: the default menu up to `max_draft_tokens` (a tree drafter: a plain step or its
+    tree; no plain step for a drafter that cannot follow one), its measured costs, and only the useful entries."""
+    if drafter.draft_shape(1) != TreeSpec.chain(1):  # a tree drafter: its own tree whatever K, named by its depth
+        sizes = [drafter.draft_shape(max_draft_tokens).depth]
+    else:
+        sizes = sorted({k for k in ADAPTIVE_MENU if k < max_draft_tokens} | {max_draft_tokens})
+    menu = ([0] if drafter.allows_plain_rounds else []) + sizes
+    cost = menu_costs(weights, cfg, drafter, menu, batch=batch, context=context, sampling=sampling)
+    depths = [drafter.draft_shape(k).depth if k else 0 for k in menu]
+    keep = useful_entries(menu, depths, cost)
+    return Adaptive.of([menu[i] for i in keep], [cost[i] for i in keep])

@@ -1,0 +1,133 @@
+"""Adaptive drafting: the menu follows the costs and the acceptance, greedy output stays identical, sampled output
+keeps the target's distribution with plain steps among the rounds, and calibration is measured once per machine."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax.adaptive as adaptive_mod
+import specjax.speculative as spec
+from specjax.adaptive import Adaptive, calibrated, useful_entries
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.drafters import ModelDrafter, NgramDrafter
+from specjax.errors import InputError
+from specjax.generate import generate as ar_generate
+from specjax.kv_cache import KVCache
+from specjax.models.llama import forward, init_weights
+from specjax.sampling import Sampling, probabilities
+
+CFG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
+WEIGHTS = init_weights(CFG, jax.random.key(0), scale=0.3)
+# Prompts whose continuations repeat: lookups are often right, so drafting pays in some rows and rounds.
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(10, 31)), [42, 42, 42], [3, 9, 27, 17, 3, 9, 27]]
+MAX_NEW = 24
+MENU = (0, 1, 2, 3, 5)
+
+
+def run(cost, prompts=PROMPTS, prior=0.6, sampling=SamplingConfig(), seed=0):
+    return spec.generate(
+        WEIGHTS, CFG, prompts, drafter=NgramDrafter(max_n=2), num_draft_tokens=Adaptive.of(MENU, cost, prior),
+        max_new_tokens=MAX_NEW, eos_ids=(), sampling=sampling, seed=seed,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ar_batch():
+    return [c.output_ids for c in ar_generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=()).completions]
+
+
+@pytest.mark.parametrize(
+    "cost, expect",
+    [
+        ([1, 50, 60, 70, 90], "plain"),  # drafting never pays: every round is a plain step
+        ([9, 1, 1, 1, 1], "deepest"),  # drafts are free and plain steps dear: deep drafts, never a plain step
+        ([1, 1.25, 1.45, 1.6, 2.0], "mixed"),  # costs like a CPU's: the size follows the acceptance
+    ],
+)
+def test_greedy_output_is_identical_whatever_the_menu_picks(cost, expect, ar_batch):
+    result = run(cost)
+    assert [c.output_ids for c in result.completions] == ar_batch
+    by_size = result.stats.rounds_by_drafts
+    assert list(by_size) == list(MENU) and sum(by_size.values()) == result.stats.rounds
+    if expect == "plain":
+        assert by_size[0] == result.stats.rounds == MAX_NEW - 1  # one token per round after the prefill's
+    elif expect == "deepest":  # (at an acceptance near 0 all depths emit about one token: ties go shallow)
+        assert by_size[0] == 0 and by_size[5] > result.stats.rounds / 2
+    else:
+        assert by_size[0] < result.stats.rounds and sum(1 for r in by_size.values() if r) >= 2
+
+
+def test_the_choice_follows_the_measured_acceptance():
+    """The target drafting for itself (every draft accepted) climbs to the deepest entry; an unrelated model of the
+    same shape (first drafts mostly wrong) settles on the shallowest."""
+    menu = Adaptive.of((1, 2, 3, 5), [1.25, 1.45, 1.6, 2.0])
+
+    def favourite(draft_weights):
+        result = spec.generate(
+            WEIGHTS, CFG, PROMPTS, drafter=ModelDrafter(draft_weights, CFG), num_draft_tokens=menu,
+            max_new_tokens=MAX_NEW, eos_ids=(),
+        )  # fmt: skip
+        return max(result.stats.rounds_by_drafts.items(), key=lambda kv: kv[1])[0]
+
+    assert favourite(WEIGHTS) == 5
+    assert favourite(init_weights(CFG, jax.random.key(1), scale=0.3)) == 1
+
+
+def test_sampled_output_keeps_the_target_distribution_with_plain_steps_among_the_rounds():
+    """Exact enumeration on an 8-token model: after a first round of two drafts, the measured acceptance sends the
+    rows to plain steps; the first three tokens are distributed as target sampling."""
+    toy = ModelConfig("llama", 8, 16, 32, 2, 2, 1, 8, max_position_embeddings=64)
+    weights = init_weights(toy, jax.random.key(10), scale=0.5)
+    prompt, samples, V = [3, 5], 32768, 8
+    sampling = SamplingConfig(temperature=1.0)
+    menu = Adaptive.of((0, 2), [1.0, 1.9])  # at the prior 0.6 two drafts pay (1.96 / 1.9 > 1); below ~0.58 not
+    out = spec.speculative_decode(
+        weights, NgramDrafter(max_n=1), jnp.asarray([prompt], jnp.int32), jnp.asarray([2], jnp.int32),
+        jax.random.key(0), Sampling.of(sampling), None, menu, cfg=toy, num_draft_tokens=0, max_new_tokens=4,
+        eos_ids=(), num_samples=samples,
+    )  # fmt: skip
+    by_entry = np.asarray(out.menu_rounds)
+    assert by_entry[0] > 0 and by_entry[1] > 0  # both kinds of round ran
+    t1, t2 = np.meshgrid(np.arange(V), np.arange(V), indexing="ij")
+    seqs = np.stack([np.full(V * V, prompt[0]), np.full(V * V, prompt[1]), t1.ravel(), t2.ravel()], 1)
+    logits = forward(weights, toy, jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(4), seqs.shape),
+                     KVCache.empty(toy, len(seqs), 4))[0]  # fmt: skip
+    probs = np.asarray(probabilities(logits, Sampling.of(sampling)), np.float64).reshape(V, V, 4, V)
+    exact = probs[0, 0, 1][:, None, None] * probs[:, 0, 2][:, :, None] * probs[:, :, 3]
+    flat = np.asarray(out.out_bn)[:, :3] @ np.array([V * V, V, 1])
+    empirical = np.bincount(flat, minlength=V**3).reshape(V, V, V) / samples
+    bound = np.sum(np.sqrt(2 * exact * (1 - exact) / (np.pi * samples)))  # about twice the noise alone
+    assert 0.5 * np.abs(empirical - exact).sum() < bound
+
+
+def test_only_entries_that_can_win_are_kept():
+    assert useful_entries((0, 1, 2), (0, 1, 2), [1.0, 5.0, 1.2]) == [0, 2]  # one draft never beats both
+    assert useful_entries((0, 3), (0, 3), [1.0, 1.5]) == [0, 1]
+    assert useful_entries((0, 3), (0, 3), [1.0, 4.5]) == [0]  # 4 tokens at most cannot repay 4.5 steps
+
+
+def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(adaptive_mod, "cache_dir", lambda: tmp_path)
+    drafter = NgramDrafter(max_n=2)
+    kw = dict(batch=2, context=16, sampling=SamplingConfig())
+    first = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
+    assert first.menu[0] == 0 and set(first.menu) <= {0, 1, 2, 3, 5} and len(list(tmp_path.glob("*/*.json"))) == 1
+    import specjax.calibrate as calibrate
+
+    def measured_again(*a, **k):
+        raise RuntimeError("measured again")
+
+    monkeypatch.setattr(calibrate, "forward_seconds", measured_again)
+    again = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
+    assert again.menu == first.menu and np.allclose(again.cost, first.cost)
+    with pytest.raises(RuntimeError, match="measured again"):  # another batch size is another cost: measured
+        calibrated(WEIGHTS, CFG, drafter, 5, batch=3, context=16, sampling=SamplingConfig())
+
+
+def test_bad_menus_are_refused():
+    for menu, cost in [((2, 1), [1, 1]), ((0, 0), [1, 1]), ((0, 1), [1]), ((0, 1), [1, float("nan")]), ((), [])]:
+        with pytest.raises(InputError):
+            Adaptive.of(menu, cost)
+    with pytest.raises(InputError, match="cannot follow plain decoding steps"):
+        spec.check_inputs(CFG, ModelDrafter(WEIGHTS, CFG), Adaptive.of((0, 2), [1, 1.5]))
