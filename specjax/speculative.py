@@ -15,6 +15,10 @@ Rejected nodes' KV slots are simply never committed; later rounds overwrite them
 time, skips what only branching trees need: its mask is the plain causal one and its accepted path already lies in
 slots length_b - 1 .. length_b - 1 + n, while a tree's path is moved there (`compact_path`). Drafters with
 `tap_layers` get the target's taps, and `commit` sees the committed rows after the prefill and every round.
+
+With an adaptive menu (`specjax.adaptive`) the loop holds one round per menu entry, each of its own static shape,
+and `lax.switch`es to the one the rows' acceptance so far and the measured costs favour; a plain decoding step is
+the round whose draft is the pending token alone (`TreeSpec.chain(0)`).
 """
 
 from __future__ import annotations
