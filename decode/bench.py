@@ -165,13 +165,17 @@ def specjax_speculative(mode: str) -> Callable[..., SpeculativeRunner]:
         drafter = drafter_from_spec(spec, model.weights, model.cfg, tree=tree)
         k = tree.depth if tree is not None else options["num_draft_tokens"]  # a tree's round is its own
         lookup_tokens = options["lookup_tokens"] if mode == "ngram-eagle3" else None
-        if options["auto"] or k == "auto":
-            if lookup_tokens is not None:
-                raise InputError("--lookup-tokens needs a fixed --num-draft-tokens, not auto")
-            verified = cli.adaptive_drafting(model, drafter, sampling, batch_size, options["context"])
-        else:
+        adaptive = options["auto"] or k == "auto"
+        if adaptive and lookup_tokens is not None:
+            raise InputError("--lookup-tokens needs a fixed --num-draft-tokens, not auto")
+        verified = "auto"
+        if not adaptive:
             drafter, verified = with_lookup_tokens(drafter, k, lookup_tokens)
-        speculative.check_inputs(model.cfg, drafter, verified)
+            speculative.check_inputs(model.cfg, drafter, verified)
+        cli.check_memory(options["plan_at"](drafter, verified), batch_size)
+        if adaptive:
+            verified = cli.adaptive_drafting(model, drafter, sampling, batch_size, options["context"])
+            speculative.check_inputs(model.cfg, drafter, verified)
         return SpeculativeRunner(model, drafter, sampling, eos, batch_size, verified, draft_steps=k)
 
     return prepare
@@ -341,9 +345,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     used = sum(len(g) for g in groups)
 
     context = typical_context(groups, args.max_new_tokens)
+    longest = max(len(p) for g in groups for p in g)
+
+    def plan_at(drafter, num_draft_tokens):
+        return cli.memory_plan_at(model, drafter, num_draft_tokens, longest, args.max_new_tokens)
+
+    cli.check_memory(plan_at(None, 0), batch_size)  # the weights and the autoregressive loop, before any mode
     options = dict(
         num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, lookup_tokens=args.lookup_tokens,
-        draft_layers=args.draft_layers, eagle3=args.eagle3, tree=args.tree, context=context,
+        draft_layers=args.draft_layers, eagle3=args.eagle3, tree=args.tree, context=context, plan_at=plan_at,
     )  # fmt: skip
 
     def prepare(mode: str) -> Runner:
