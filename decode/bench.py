@@ -54,6 +54,7 @@ class ModeRun:
         total_tokens, total_seconds = sum(self.batch_tokens), sum(self.batch_seconds)
         tokens_per_s = statistics.median(rates)
         ar_rates = [n / s for n, s in zip(ar.batch_tokens, ar.batch_seconds)] if ar else None
+        read = weight_bytes * self.forwards / total_seconds if self.forwards else None
         stats = (
             speculative.SpecStats.from_histogram(self.rounds, self.histogram, total_tokens, total_seconds)
             if self.histogram
@@ -69,8 +70,8 @@ class ModeRun:
             # Per batch against ar on the same batch (measured next to it), then the median: robust to drift.
             "speedup_vs_ar": statistics.median(r / a for r, a in zip(rates, ar_rates)) if ar else None,
             "identical_to_ar": (self.outputs == ar.outputs) if (ar and greedy) else None,
-            "weight_bytes_per_s": weight_bytes * self.forwards / total_seconds if self.forwards else None,
-            "bandwidth_fraction": weight_bytes * self.forwards / total_seconds / bandwidth if self.forwards else None,
+            "weight_bytes_per_s": read,
+            "bandwidth_fraction": None if read is None else read / bandwidth,
             **({"rounds_by_drafts": self.rounds_by_drafts} if len(self.rounds_by_drafts) > 1 else {}),
             **({"breakdown": self.breakdown} if self.breakdown else {}),
         }

@@ -81,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise InputError("--lookup-tokens needs a fixed --num-draft-tokens")
     if not adaptive:
         drafter, verified = with_lookup_tokens(drafter, verified, args.lookup_tokens)
-    if drafter is not None and not adaptive:
-        speculative.check_inputs(model.cfg, drafter, verified)
+        if drafter is not None:
+            speculative.check_inputs(model.cfg, drafter, verified)
     plan_at = cli.memory_plan_at(model, drafter, verified, max(map(len, prompt_ids)), args.max_new_tokens)
     if args.plan:
         print(plan_at(batch_size).table(cli.device_memory()), end="")
