@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import specjax.generate as ar_loop
 import specjax.speculative as spec
 from decode import bench, cli
 from decode import generate as generate_cli
@@ -89,7 +90,8 @@ def test_check_fits_names_the_largest_batch():
 @pytest.mark.parametrize("main", [generate_cli.entry, bench.entry])
 def test_a_run_that_does_not_fit_is_refused_in_one_line(main, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli, "device_memory", lambda: 40 * 2**20)  # the tiny model's weights take 25 MiB
-    monkeypatch.setattr(spec, "speculative_decode", lambda *a, **k: pytest.fail("compiled"))
+    for loops in (ar_loop, spec):  # nothing compiles
+        monkeypatch.setattr(loops, "_compiled", lambda *a: pytest.fail("compiled"))
     argv = ["--model", "tiny-random", *["--prompt", "Hi"] * 8, "--batch-size", "8", "--max-new-tokens", "1000"]
     if main is bench.entry:
         argv += ["--modes", "ar,ngram", "--out-dir", str(tmp_path)]
