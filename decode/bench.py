@@ -14,11 +14,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import jax
 from tqdm import tqdm
 
 from decode import cli
 from specjax import speculative
 from specjax.adaptive import Adaptive
+from specjax.bandwidth import device_bandwidth
 from specjax.calibrate import drafter_seconds, forward_costs, forward_seconds, round_breakdown
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.defaults import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM, DEFAULT_TREE
@@ -27,6 +29,7 @@ from specjax.errors import InputError
 from specjax.evalsets import chat_prompts, humaneval_prompts
 from specjax.generate import generate
 from specjax.io.models import LoadedModel, load_model
+from specjax.plan import weight_bytes
 from specjax.tree import TreeSpec
 
 
@@ -42,12 +45,16 @@ class ModeRun:
     rounds: int = 0
     rounds_by_drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # speculative modes
     breakdown: dict | None = None  # speculative modes with a fixed K: where a round's time goes (specjax.calibrate)
+    forwards: int = 0  # target forwards, each reading every weight once: the prefill, then a step or a round
 
-    def summary(self, ar: ModeRun | None, greedy: bool) -> dict:
+    def summary(self, ar: ModeRun | None, greedy: bool, weight_bytes: int, bandwidth: float) -> dict:
+        """The mode's figures; weights read per second are weight_bytes x forwards over the total time, and their
+        fraction of the device's `bandwidth` (bytes/s)."""
         rates = [n / s for n, s in zip(self.batch_tokens, self.batch_seconds)]
         total_tokens, total_seconds = sum(self.batch_tokens), sum(self.batch_seconds)
         tokens_per_s = statistics.median(rates)
         ar_rates = [n / s for n, s in zip(ar.batch_tokens, ar.batch_seconds)] if ar else None
+        read = weight_bytes * self.forwards / total_seconds if self.forwards else None
         stats = (
             speculative.SpecStats.from_histogram(self.rounds, self.histogram, total_tokens, total_seconds)
             if self.histogram
@@ -63,6 +70,8 @@ class ModeRun:
             # Per batch against ar on the same batch (measured next to it), then the median: robust to drift.
             "speedup_vs_ar": statistics.median(r / a for r, a in zip(rates, ar_rates)) if ar else None,
             "identical_to_ar": (self.outputs == ar.outputs) if (ar and greedy) else None,
+            "weight_bytes_per_s": read,
+            "bandwidth_fraction": None if read is None else read / bandwidth,
             **({"rounds_by_drafts": self.rounds_by_drafts} if len(self.rounds_by_drafts) > 1 else {}),
             **({"breakdown": self.breakdown} if self.breakdown else {}),
         }
@@ -165,13 +174,17 @@ def specjax_speculative(mode: str) -> Callable[..., SpeculativeRunner]:
         drafter = drafter_from_spec(spec, model.weights, model.cfg, tree=tree)
         k = tree.depth if tree is not None else options["num_draft_tokens"]  # a tree's round is its own
         lookup_tokens = options["lookup_tokens"] if mode == "ngram-eagle3" else None
-        if options["auto"] or k == "auto":
-            if lookup_tokens is not None:
-                raise InputError("--lookup-tokens needs a fixed --num-draft-tokens, not auto")
-            verified = cli.adaptive_drafting(model, drafter, sampling, batch_size, options["context"])
-        else:
+        adaptive = options["auto"] or k == "auto"
+        if adaptive and lookup_tokens is not None:
+            raise InputError("--lookup-tokens needs a fixed --num-draft-tokens, not auto")
+        verified = "auto"
+        if not adaptive:
             drafter, verified = with_lookup_tokens(drafter, k, lookup_tokens)
-        speculative.check_inputs(model.cfg, drafter, verified)
+            speculative.check_inputs(model.cfg, drafter, verified)
+        cli.check_memory(options["plan_at"](drafter, verified), batch_size)
+        if adaptive:
+            verified = cli.adaptive_drafting(model, drafter, sampling, batch_size, options["context"])
+            speculative.check_inputs(model.cfg, drafter, verified)
         return SpeculativeRunner(model, drafter, sampling, eos, batch_size, verified, draft_steps=k)
 
     return prepare
@@ -190,9 +203,14 @@ MODES: dict[str, Callable[..., Runner]] = {
 SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree", "ngram-eagle3")
 
 
+# Peers that draft: their forwards per token are not known here.
+UNCOUNTED_FORWARDS = ("hf-pld",)
+
+
 def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int) -> dict[str, ModeRun]:
     """Runs every mode on every batch, interleaved (batch 1 in all modes, then batch 2, ...), so that the machine's
-    drift over the run affects all modes alike."""
+    drift over the run affects all modes alike. Target forwards per batch: the rounds and the prefill of a
+    speculative mode, one per token of the batch's longest output otherwise."""
     for runner in runners.values():
         runner(groups[0], 4, seed)  # warm-up: compilation, allocator, thread pools
     runs = {mode: ModeRun(mode, [], [], []) for mode in runners}
@@ -203,6 +221,8 @@ def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int) 
             run.outputs += outputs
             run.batch_seconds.append(seconds)
             run.batch_tokens.append(sum(map(len, outputs)))
+            if mode not in UNCOUNTED_FORWARDS:
+                run.forwards += stats[0].rounds + 1 if stats else max(map(len, outputs))
             if stats:
                 hist = stats[0].accepted_histogram
                 run.histogram = [a + b for a, b in zip(run.histogram, hist)] if run.histogram else list(hist)
@@ -242,16 +262,19 @@ def markdown_table(rows: Sequence[dict]) -> str:
 
     lines = [
         "| mode | tokens/s (median) | speedup vs ar | mean accepted | draft cost c | verify cost | "
-        "predicted speedup | identical to ar |",
-        "|---|---:|---:|---:|---:|---:|---:|:---:|",
+        "predicted speedup | identical to ar | weights read (GB/s) | of bandwidth |",
+        "|---|---:|---:|---:|---:|---:|---:|:---:|---:|---:|",
     ]
     for r in rows:
         same = {None: "–", True: "yes", False: "no"}[r["identical_to_ar"]]
         b = r.get("breakdown") or {}
+        read = r["weight_bytes_per_s"]
+        fraction = r["bandwidth_fraction"]
         lines.append(
             f"| {r['mode']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'], 'x')} | "
             f"{fmt(r['mean_accepted'])} | {fmt(b.get('cost_ratio'))} | {fmt(b.get('verify_ratio'), 'x')} | "
-            f"{fmt(b.get('predicted_speedup'), 'x')} | {same} |"
+            f"{fmt(b.get('predicted_speedup'), 'x')} | {same} | {fmt(None if read is None else read / 1e9)} | "
+            f"{'–' if fraction is None else f'{100 * fraction:.1f}%'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -341,9 +364,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     used = sum(len(g) for g in groups)
 
     context = typical_context(groups, args.max_new_tokens)
+    longest = max(len(p) for g in groups for p in g)
+
+    def plan_at(drafter, num_draft_tokens):
+        return cli.memory_plan_at(model, drafter, num_draft_tokens, longest, args.max_new_tokens)
+
+    cli.check_memory(plan_at(None, 0), batch_size)  # the weights and the autoregressive loop, before any mode
     options = dict(
         num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, lookup_tokens=args.lookup_tokens,
-        draft_layers=args.draft_layers, eagle3=args.eagle3, tree=args.tree, context=context,
+        draft_layers=args.draft_layers, eagle3=args.eagle3, tree=args.tree, context=context, plan_at=plan_at,
     )  # fmt: skip
 
     def prepare(mode: str) -> Runner:
@@ -357,7 +386,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if isinstance(runner, SpeculativeRunner) and not isinstance(runner.num_draft_tokens, Adaptive):
             add_breakdown(runs[mode], runner, len(groups[0]), context)
     ar = runs.get("ar")
-    rows = [runs[m].summary(ar, sampling.greedy) for m in modes]
+    weights = weight_bytes(model.cfg, model.weights.embed.dtype)
+    bandwidth, bandwidth_source = device_bandwidth()
+    rows = [runs[m].summary(ar, sampling.greedy, weights, bandwidth) for m in modes]
     sweep = forward_cost_sweep(model, batch_size, context, args.forward_costs) if args.forward_costs else []
     config = {
         "model": args.model, "prompt_set": prompt_set,
@@ -366,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "dtype": str(model.weights.embed.dtype), "date": time.strftime("%Y-%m-%d"),
         "num_draft_tokens": args.num_draft_tokens, "ngram": args.ngram, "lookup_tokens": args.lookup_tokens,
         "draft_layers": args.draft_layers, "eagle3": args.eagle3, "tree": args.tree or DEFAULT_TREE,
+        "device": jax.devices()[0].device_kind, "weight_bytes": weights, "bandwidth_bytes_per_s": bandwidth,
+        "bandwidth_source": bandwidth_source,
     }  # fmt: skip
     table = markdown_table(rows)
     if sweep:

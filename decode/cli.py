@@ -14,6 +14,7 @@ from specjax.config import SamplingConfig
 from specjax.defaults import CALIBRATION_DRAFT_TOKENS
 from specjax.errors import InputError, SpecjaxError
 from specjax.io.tokenizer import Tokenizer
+from specjax.plan import MemoryPlan, check_fits, device_memory, memory_plan
 
 RawDescription = argparse.RawDescriptionHelpFormatter
 
@@ -178,3 +179,25 @@ def adaptive_drafting(model, drafter, sampling, batch: int, context: int):
     costs = ", ".join(f"{k}: {c:.2f}" for k, c in zip(adaptive.menu, adaptive.cost.tolist()))
     print(f"[adaptive drafting, cost of a round in plain steps by draft size: {costs}]", file=sys.stderr)
     return adaptive
+
+
+def memory_plan_at(model, drafter, num_draft_tokens: int | str, prompt_len: int, max_new_tokens: int):
+    """The run's memory plan (`specjax.plan`) as a function of its rows; `num_draft_tokens` 'auto' plans for the
+    largest draft adaptive drafting compiles."""
+    shape = None
+    if drafter is not None:
+        shape = drafter.draft_shape(CALIBRATION_DRAFT_TOKENS if num_draft_tokens == "auto" else num_draft_tokens)
+
+    def plan_at(rows: int) -> MemoryPlan:
+        return memory_plan(
+            model.cfg, model.weights.embed.dtype, batch=rows, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+            drafter=drafter, draft_shape=shape, target_weights=model.weights,
+        )  # fmt: skip
+
+    return plan_at
+
+
+def check_memory(plan_at, rows: int) -> None:
+    """Refuses, before anything compiles, a run whose plan exceeds the device's memory (InputError naming the
+    largest batch that fits)."""
+    check_fits(plan_at, rows, device_memory())

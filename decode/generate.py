@@ -45,6 +45,10 @@ def parser() -> cli.ArgumentParser:
         help="N samples of each prompt, decoded in one batch whose N rows share the prompt's prefill",
     )  # fmt: skip
     p.add_argument("--json", dest="json_out", help="write the results to this JSON file")
+    p.add_argument(
+        "--plan", action="store_true",
+        help="print the run's memory plan (weights, KV cache, drafter, activations) and the device's memory, then exit",
+    )  # fmt: skip
     return p
 
 
@@ -72,14 +76,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     per_call = max(1, min(rows // samples, len(prompts)))  # prompts per batch (more would decode padding rows)
     batch_size = per_call * samples
     verified = args.num_draft_tokens
-    if drafter is not None and verified == "auto":
-        if args.lookup_tokens is not None:
-            raise InputError("--lookup-tokens needs a fixed --num-draft-tokens")
+    adaptive = drafter is not None and verified == "auto"
+    if adaptive and args.lookup_tokens is not None:
+        raise InputError("--lookup-tokens needs a fixed --num-draft-tokens")
+    if not adaptive:
+        drafter, verified = with_lookup_tokens(drafter, verified, args.lookup_tokens)
+        if drafter is not None:
+            speculative.check_inputs(model.cfg, drafter, verified)
+    plan_at = cli.memory_plan_at(model, drafter, verified, max(map(len, prompt_ids)), args.max_new_tokens)
+    if args.plan:
+        print(plan_at(batch_size).table(cli.device_memory()), end="")
+        return
+    cli.check_memory(plan_at, batch_size)
+    if adaptive:
         context = max(map(len, prompt_ids)) + args.max_new_tokens // 2
         verified = cli.adaptive_drafting(model, drafter, sampling, batch_size, context)
-    else:
-        drafter, verified = with_lookup_tokens(drafter, verified, args.lookup_tokens)
-    if drafter is not None:
         speculative.check_inputs(model.cfg, drafter, verified)
 
     results = []

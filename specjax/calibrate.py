@@ -67,7 +67,7 @@ def forward_seconds(
     def timed(t: int) -> float:
         tokens = jnp.ones((batch, t), jnp.int32)
         positions = context + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-        return _median_seconds(lambda: run(weights, cfg, tokens, positions, cache), reps)
+        return median_seconds(lambda: run(weights, cfg, tokens, positions, cache), reps)
 
     return [timed(t) for t in token_counts]
 
@@ -110,10 +110,10 @@ def drafter_seconds(
             state, tokens, lengths + 1, key, shape=shape, vocab_size=cfg.vocab_size, sampling=rows
         )
 
-    return _median_seconds(lambda: one_round(drafter, state, jax.random.key(1)), reps)
+    return median_seconds(lambda: one_round(drafter, state, jax.random.key(1)), reps)
 
 
-def _median_seconds(fn, reps: int) -> float:
+def median_seconds(fn, reps: int) -> float:
     """Median wall time of `fn()` (a jitted call) over `reps` runs after one warm-up."""
     jax.block_until_ready(fn())
     times = []

@@ -7,11 +7,13 @@ import statistics
 import pytest
 
 from decode import bench
-from specjax import adaptive
+from specjax import adaptive, bandwidth
 
 
 def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(adaptive, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(bandwidth, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(bandwidth, "copy_bandwidth", lambda: 1e10)
     prompts = ["Write a function.", "Name three rivers.", "Count to ten.", "Hello!"]
     argv = ["--model", "tiny-random", "--modes", "ar,ngram,ngram:auto,layerskip", "--max-new-tokens", "12",
             "--num-draft-tokens", "3", "--draft-layers", "1", "--forward-costs", "1,4",
@@ -32,12 +34,23 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
         assert r["total_tokens"] == rows["ar"]["total_tokens"]
         if mode != "ngram:auto":  # a fixed K: its round's time split; adaptive rounds have no one K to split
             assert r["breakdown"]["verify_ratio"] > 0 and r["breakdown"]["drafter_ms"] > 0
-    assert "breakdown" not in rows["ngram:auto"] and len(list((tmp_path / "cache").glob("*/*.json"))) == 1
+    assert "breakdown" not in rows["ngram:auto"] and len(list((tmp_path / "cache/calibration").glob("*.json"))) == 1
     assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    # Weights read: one forward per token of ar (batch 1), fewer for a speculative mode; against the bandwidth.
+    config = report["config"]
+    assert config["bandwidth_bytes_per_s"] == 1e10 and config["bandwidth_source"] == "measured"
+    weights_read = {m: r["weight_bytes_per_s"] * r["total_seconds"] for m, r in rows.items()}
+    assert weights_read["ar"] == pytest.approx(config["weight_bytes"] * rows["ar"]["total_tokens"])
+    assert weights_read["ar"] > weights_read["ngram"] > config["weight_bytes"] * len(prompts)
+    for r in rows.values():
+        assert r["bandwidth_fraction"] == pytest.approx(r["weight_bytes_per_s"] / 1e10)
     table = (tmp_path / "bench.md").read_text()
     assert [r["tokens"] for r in report["forward_costs"]] == [1, 4]
     assert all(r["ms"] > 0 and r["target_steps"] > 0 for r in report["forward_costs"])
     assert table.count("\n") == (2 + 4) + 1 + (2 + 2) and "| ngram:auto |" in table and "| 4 |" in table
+    header, _, *mode_lines = table.splitlines()[:6]
+    assert header.endswith("| identical to ar | weights read (GB/s) | of bandwidth |")
+    assert all(line.count("|") == 11 and line.endswith("% |") for line in mode_lines)
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "| layerskip |" in capsys.readouterr().out
 
@@ -57,7 +70,7 @@ def test_measure_interleaves_modes_and_pairs_speedups():
         {"ar": runner("ar", [9, 1.0, 2.0]), "fast": runner("fast", [9, 0.5, 1.0])}, [[0], [1]], 10, seed=0
     )
     assert calls == [("ar", 4), ("fast", 4), ("ar", 10), ("fast", 10), ("ar", 10), ("fast", 10)]
-    summary = runs["fast"].summary(runs["ar"], greedy=True)
+    summary = runs["fast"].summary(runs["ar"], greedy=True, weight_bytes=100, bandwidth=1e4)
     assert summary["speedup_vs_ar"] == pytest.approx(2.0)
     assert summary["tokens_per_s"] == pytest.approx(statistics.median([20.0, 10.0]))
 
@@ -86,3 +99,21 @@ def test_an_unwritable_output_is_refused_before_any_work(monkeypatch):
     monkeypatch.setattr(bench, "load_model", lambda *a: pytest.fail("the model was loaded"))
     with pytest.raises(InputError, match="cannot create the output folder '/proc/specjax'"):
         bench.main(["--model", "tiny-random", "--modes", "ar", "--out-dir", "/proc/specjax"])
+
+
+def test_bandwidth_comes_from_the_data_sheet_or_one_cached_measurement(tmp_path, monkeypatch):
+    class Device:
+        platform, device_kind = "gpu", "NVIDIA H200"
+
+    monkeypatch.setattr(bandwidth.jax, "devices", lambda: [Device()])
+    assert bandwidth.device_bandwidth() == (4.8e12, "data sheet")
+    Device.device_kind = "Some New Accelerator"
+    measurements = []
+    monkeypatch.setattr(bandwidth, "copy_bandwidth", lambda: measurements.append(1) or 5e11)
+    monkeypatch.setattr(bandwidth, "cache_dir", lambda: tmp_path)
+    assert bandwidth.device_bandwidth() == bandwidth.device_bandwidth() == (5e11, "measured")
+    assert len(measurements) == 1
+
+
+def test_copy_bandwidth_is_plausible():
+    assert 1e8 < bandwidth.copy_bandwidth(16 * 2**20, reps=3) < 1e13

@@ -1,0 +1,136 @@
+"""A randomly initialised Llama-3-8B-shaped target on this device: memory plan, one-step latency, what verifying T
+tokens per row costs (T = K + 1 = 2..16 for chains, tree budgets up to 64), and autoregressive tokens/s against the
+memory-bandwidth roofline. Writes llama3-8b.json and llama3-8b.md to --out-dir.
+
+Random weights decode at the speed of real ones: every step reads every weight and the KV written so far, whatever
+their values. `--tiny` shrinks the target (2 layers, hidden 256) so that the whole script runs on a CPU.
+
+Usage: python scripts/device_bench.py --out-dir OUT [--tiny] [--batches 1,8] [--context 512] [--max-new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decode import cli  # noqa: E402
+from specjax.bandwidth import device_bandwidth  # noqa: E402
+from specjax.calibrate import forward_seconds  # noqa: E402
+from specjax.config import ModelConfig  # noqa: E402
+from specjax.generate import generate  # noqa: E402
+from specjax.models.llama import init_weights  # noqa: E402
+from specjax.plan import check_fits, device_memory, memory_plan, weight_bytes  # noqa: E402
+
+LLAMA3_8B = ModelConfig(
+    "llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+    num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192,
+)  # fmt: skip
+TINY = ModelConfig(
+    "llama", vocab_size=8192, hidden_size=256, intermediate_size=896, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=64, rope_theta=500000.0, max_position_embeddings=8192,
+)  # fmt: skip
+# Tokens per row one verification runs: chains of K = 1..15 drafts (T = K + 1), then tree budgets up to 64 nodes.
+VERIFY_TOKENS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = cli.ArgumentParser(prog="device_bench.py", description=__doc__, formatter_class=cli.RawDescription)
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--tiny", action="store_true", help="2 layers, hidden 256, vocabulary 8192: runs on a CPU")
+    p.add_argument("--batches", type=cli.positive_ints, default=[1, 8], help="batch sizes of the decode (1,8)")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens per row (512)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    cli.check_positive("--context", args.context)
+    cli.check_positive("--max-new-tokens", args.max_new_tokens)
+    out_dir = cli.check_output_dir(args.out_dir)
+    cfg = TINY if args.tiny else LLAMA3_8B
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16  # as specjax.io.models.load_model
+    available = device_memory()
+    plans = {
+        b: check_fits(lambda rows: memory_plan(cfg, dtype, batch=rows, prompt_len=args.context,
+                                               max_new_tokens=args.max_new_tokens), b, available)
+        for b in args.batches
+    }  # fmt: skip
+    bandwidth, bandwidth_source = device_bandwidth()
+    t0 = time.perf_counter()
+    weights = jax.block_until_ready(init_weights(cfg, jax.random.key(0), dtype))
+    init_s = time.perf_counter() - t0
+    size = weight_bytes(cfg, dtype)
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+    step_s, *verify_s = forward_seconds(weights, cfg, 1, args.context, (1, *VERIFY_TOKENS))
+    verification = [{"tokens": t, "ms": 1000 * s, "target_steps": s / step_s} for t, s in zip(VERIFY_TOKENS, verify_s)]
+    decoding = []
+    rng = np.random.default_rng(0)
+    for b in args.batches:
+        prompts = rng.integers(0, cfg.vocab_size, (b, args.context)).tolist()
+        result = generate(weights, cfg, prompts, max_new_tokens=args.max_new_tokens, eos_ids=())
+        tokens_per_s = result.new_tokens / result.seconds
+        # Every step reads every weight once and, per row, the KV of the context so far (taken at mid-decode).
+        step_bytes = size + b * (args.context + args.max_new_tokens // 2) * kv_per_token
+        roofline = b * bandwidth / step_bytes
+        decoding.append({
+            "batch": b, "tokens_per_s": tokens_per_s, "compile_s": result.compile_seconds,
+            "step_latency_ms": 1000 * forward_seconds(weights, cfg, b, args.context, (1,))[0],
+            "roofline_tokens_per_s": roofline, "of_roofline": tokens_per_s / roofline,
+            "memory_plan_bytes": plans[b].total,
+        })  # fmt: skip
+
+    report = {
+        "config": {
+            "target": "tiny" if args.tiny else "llama3-8b-shaped (random weights)", "model": repr(cfg),
+            "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind, "context": args.context,
+            "max_new_tokens": args.max_new_tokens, "weight_bytes": size, "bandwidth_bytes_per_s": bandwidth,
+            "bandwidth_source": bandwidth_source, "device_memory_bytes": available, "init_seconds": init_s,
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "one_step_ms": 1000 * step_s,
+        "verification": verification,
+        "decoding": decoding,
+    }  # fmt: skip
+    (out_dir / "llama3-8b.json").write_text(json.dumps(report, indent=1))
+    largest = max(args.batches)
+    plan = f"\nMemory plan, batch {largest}:\n\n{plans[largest].table(available)}"
+    (out_dir / "llama3-8b.md").write_text(markdown(report) + plan)
+    print(markdown(report) + plan)
+
+
+def markdown(report: dict) -> str:
+    c = report["config"]
+    lines = [
+        f"{c['target']}, {c['dtype']}, on {c['device']}: weights {c['weight_bytes'] / 2**30:.2f} GiB, bandwidth "
+        f"{c['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s ({c['bandwidth_source']}), context {c['context']}.",
+        "",
+        f"One target step (batch 1): {report['one_step_ms']:.2f} ms.",
+        "",
+        "| tokens per row | forward (ms) | target steps |",
+        "|---:|---:|---:|",
+        *(f"| {r['tokens']} | {r['ms']:.2f} | {r['target_steps']:.2f} |" for r in report["verification"]),
+        "",
+        "| batch | tokens/s | roofline tokens/s | of roofline | step (ms) | compile (s) |",
+        "|---:|---:|---:|---:|---:|---:|",
+        *(
+            f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['roofline_tokens_per_s']:.1f} | "
+            f"{100 * r['of_roofline']:.1f}% | {r['step_latency_ms']:.2f} | {r['compile_s']:.1f} |"
+            for r in report["decoding"]
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    cli.run(main, "device_bench.py")

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# specjax on one accelerator, offline, in under 8 minutes on a GPU: specjax-bench on the embedded SmolLM2-135M with
+# its shipped EAGLE-3 head (bfloat16 on accelerators), modes ar, ngram, eagle3-chain, eagle3-tree at batch 1 and 8;
+# then a random Llama-3-8B-shaped target (scripts/device_bench.py): one-step latency, verification cost by tokens,
+# autoregressive tokens/s against the bandwidth roofline. JSON and Markdown tables go to OUT (default
+# device_bench_out). SHRINK=1 shrinks the 8B-shaped target so that the script also runs on a CPU.
+#
+# Usage: scripts/device_bench.sh [OUT]      (PYTHON=path/to/python to choose the interpreter)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-device_bench_out}
+PYTHON=${PYTHON:-python}
+TINY=""
+if [[ "${SHRINK:-0}" == 1 ]]; then TINY=--tiny; fi
+mkdir -p "$OUT"
+
+bench() {  # bench BATCH PROMPTS
+  "$PYTHON" -m decode.bench --model smollm2-135m --modes ar,ngram,eagle3-chain,eagle3-tree --eagle3 smollm2-135m \
+    --batch-size "$1" --num-prompts "$2" --max-new-tokens 128 --out-dir "$OUT/smollm2-b$1"
+}
+bench 1 6
+bench 8 16
+"$PYTHON" scripts/device_bench.py --out-dir "$OUT/llama3-8b" $TINY
+echo "wrote $OUT/smollm2-b1, $OUT/smollm2-b8, $OUT/llama3-8b" >&2

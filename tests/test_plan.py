@@ -1,0 +1,112 @@
+"""The memory plan against XLA's compiled memory analysis on the CPU, and the one-line refusal of a run that does not
+fit (through both CLIs, with the device's memory made small)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax.generate as ar_loop
+import specjax.speculative as spec
+from decode import bench, cli
+from decode import generate as generate_cli
+from specjax import plan
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.drafters import Eagle3Drafter
+from specjax.errors import InputError
+from specjax.generate import decode
+from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
+from specjax.models.llama import init_weights
+from specjax.sampling import Sampling
+from specjax.tree import TreeSpec
+
+
+def random_head(cfg: ModelConfig) -> Eagle3Head:
+    """A random EAGLE-3 head from numpy weights (its own random init compiles a kernel per shape: slow here)."""
+    head_cfg = Eagle3Config.default_for(cfg)
+    rng = np.random.default_rng(0)
+    return Eagle3Head(head_cfg, weights={
+        n: np.ones(s.shape, np.float32) if n in NORMS else 0.05 * rng.standard_normal(s.shape, np.float32)
+        for n, s in param_specs(head_cfg).items()
+    })  # fmt: skip
+
+
+def measured_bytes(lowered, shared_bytes: int = 0) -> int:
+    """Arguments + outputs + temporaries of the compiled executable; an array passed twice (the target's embedding
+    inside the drafter) is one buffer on the device, so it is counted once."""
+    m = lowered.compile().memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - shared_bytes
+
+
+def inputs(batch: int, prompt_len: int):
+    tokens = jnp.zeros((batch, prompt_len), jnp.int32)
+    return tokens, jnp.full((batch,), prompt_len, jnp.int32), jax.random.key(0), Sampling.of(SamplingConfig(), batch)
+
+
+def test_plan_of_autoregressive_decoding_matches_compiled_memory():
+    cfg = ModelConfig("llama", 2048, 256, 768, 6, 8, 2, 32, max_position_embeddings=512)
+    weights = jax.eval_shape(lambda: init_weights(cfg, jax.random.key(0)))
+    batch, prompt_len, max_new = 8, 128, 128
+    lowered = decode.lower(weights, *inputs(batch, prompt_len), cfg=cfg, max_new_tokens=max_new, eos_ids=(1,))
+    p = plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=100, max_new_tokens=max_new)  # bucket: 128
+    assert p.num_slots == 256 and p.kv_cache == 2 * 8 * 256 * 6 * 2 * 32 * 4 and p.drafter == 0
+    assert p.weights == sum(x.size * 4 for x in jax.tree.leaves(weights))
+    assert p.activations > p.kv_cache  # the prefill's scores over 256 slots: the plan is not weights + KV alone
+    assert p.total == pytest.approx(measured_bytes(lowered), rel=0.10)
+
+
+def test_plan_of_eagle3_chain_decoding_matches_compiled_memory():
+    cfg = ModelConfig("llama", 1024, 128, 384, 4, 4, 2, 32, max_position_embeddings=512)
+    weights = init_weights(cfg, jax.random.key(0))
+    drafter = Eagle3Drafter.create(random_head(cfg), weights.embed)
+    batch, prompt_len, max_new, k = 4, 64, 64, 4
+    lowered = spec.speculative_decode.lower(
+        weights, drafter, *inputs(batch, prompt_len), cfg=cfg, num_draft_tokens=k, max_new_tokens=max_new,
+        eos_ids=(1,),
+    )  # fmt: skip
+    p = plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new,
+                         drafter=drafter, draft_shape=TreeSpec.chain(k), target_weights=weights)  # fmt: skip
+    assert p.num_slots == 64 + 64 + k + 1
+    head_cache = 2 * batch * p.num_slots * 1 * 2 * 32 * 4  # the head's one layer
+    assert p.drafter > head_cache + sum(x.size * 4 for x in jax.tree.leaves(drafter.params))
+    shared = 0 if drafter.target_embed is None else drafter.target_embed.size * 4
+    assert p.total == pytest.approx(measured_bytes(lowered, shared), rel=0.10)
+
+
+def test_check_fits_names_the_largest_batch():
+    cfg = ModelConfig("llama", 256, 64, 128, 2, 4, 2, 16)
+
+    def plan_at(batch):
+        return plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=10, max_new_tokens=64)
+
+    available = plan_at(5).total
+    assert plan.check_fits(plan_at, 5, available) == plan_at(5)
+    with pytest.raises(InputError, match=r"the device holds .* GiB; a batch of 5 would fit"):
+        plan.check_fits(plan_at, 16, available)
+    with pytest.raises(InputError, match="not even one row fits"):
+        plan.check_fits(plan_at, 2, plan_at(1).total - 1)
+
+
+@pytest.mark.parametrize("main", [generate_cli.entry, bench.entry])
+def test_a_run_that_does_not_fit_is_refused_in_one_line(main, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli, "device_memory", lambda: 40 * 2**20)  # the tiny model's weights take 25 MiB
+    for loops in (ar_loop, spec):  # nothing compiles
+        monkeypatch.setattr(loops, "_compiled", lambda *a: pytest.fail("compiled"))
+    argv = ["--model", "tiny-random", *["--prompt", "Hi"] * 8, "--batch-size", "8", "--max-new-tokens", "1000"]
+    if main is bench.entry:
+        argv += ["--modes", "ar,ngram", "--out-dir", str(tmp_path)]
+    else:
+        argv += ["--drafter", "ngram", "--num-draft-tokens", "3"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "the device holds 0.04 GiB; a batch of" in err and "would fit" in err, err
+
+
+def test_generate_plan_prints_the_table_and_decodes_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(generate_cli, "generate", lambda *a, **k: pytest.fail("decoded"))
+    generate_cli.main(["--model", "tiny-random", "--prompt", "Hi", "--drafter", "ngram", "--plan"])
+    out = capsys.readouterr().out
+    assert "| weights |" in out and "| total |" in out and "| device memory |" in out
+    assert out.count("\n") == 2 + 6
