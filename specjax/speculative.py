@@ -265,7 +265,9 @@ def check_inputs(cfg: ModelConfig, drafter: Drafter, num_draft_tokens: int | Ada
     sizes = num_draft_tokens.menu if isinstance(num_draft_tokens, Adaptive) else (num_draft_tokens,)
     if 0 in sizes and not drafter.allows_plain_rounds:
         raise InputError(f"{type(drafter).__name__} cannot follow plain decoding steps: leave 0 out of the menu")
-    for k in (k for k in sizes if k or len(sizes) == 1):
+    # A menu of plain steps alone (drafting never pays here) still commits rows to the drafter: check it as for K=1.
+    drafting = ([k for k in sizes if k] or [1]) if isinstance(num_draft_tokens, Adaptive) else [num_draft_tokens]
+    for k in drafting:
         if not 1 <= drafter.draft_shape(k).depth <= MAX_DRAFT_TOKENS:
             raise InputError(f"the number of draft tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}")
         drafter.validate(cfg, k)

@@ -1,6 +1,8 @@
 """Adaptive drafting: the menu follows the costs and the acceptance, greedy output stays identical, sampled output
 keeps the target's distribution with plain steps among the rounds, and calibration is measured once per machine."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,6 +60,16 @@ def test_greedy_output_is_identical_whatever_the_menu_picks(cost, expect, ar_bat
         assert by_size[0] < result.stats.rounds and sum(1 for r in by_size.values() if r) >= 2
 
 
+def test_a_menu_of_plain_steps_alone_is_plain_decoding(ar_batch):
+    """Calibration keeps only plain steps where drafting never pays: the loop then decodes plainly."""
+    result = spec.generate(
+        WEIGHTS, CFG, PROMPTS, drafter=NgramDrafter(max_n=2), num_draft_tokens=Adaptive.of((0,), [1.0]),
+        max_new_tokens=MAX_NEW, eos_ids=(),
+    )  # fmt: skip
+    assert [c.output_ids for c in result.completions] == ar_batch
+    assert result.stats.rounds_by_drafts == {0: MAX_NEW - 1}
+
+
 def test_the_choice_follows_the_measured_acceptance():
     """The target drafting for itself (every draft accepted) climbs to the deepest entry; an unrelated model of the
     same shape (first drafts mostly wrong) settles on the shallowest."""
@@ -112,7 +124,10 @@ def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch):
     drafter = NgramDrafter(max_n=2)
     kw = dict(batch=2, context=16, sampling=SamplingConfig())
     first = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
-    assert first.menu[0] == 0 and set(first.menu) <= {0, 1, 2, 3, 5} and len(list(tmp_path.glob("*/*.json"))) == 1
+    (record,) = tmp_path.glob("calibration/*.json")
+    measured = json.loads(record.read_text())
+    assert measured["menu"] == [0, 1, 2, 3, 5] and measured["cost"][0] == 1.0  # in plain steps: a plain step is 1
+    assert first.menu and set(first.menu) <= set(measured["menu"])  # the entries that win at some rate
     import specjax.calibrate as calibrate
 
     def measured_again(*a, **k):
