@@ -24,7 +24,7 @@ from specjax.bandwidth import device_bandwidth
 from specjax.calibrate import drafter_seconds, forward_costs, forward_seconds, round_breakdown
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.defaults import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM, DEFAULT_TREE
-from specjax.drafters import Drafter, LayerSkipDrafter, drafter_from_spec, with_lookup_tokens
+from specjax.drafters import Drafter, LayerSkipDrafter, drafter_from_spec
 from specjax.errors import InputError
 from specjax.evalsets import chat_prompts, humaneval_prompts
 from specjax.generate import generate
@@ -174,17 +174,10 @@ def specjax_speculative(mode: str) -> Callable[..., SpeculativeRunner]:
         drafter = drafter_from_spec(spec, model.weights, model.cfg, tree=tree)
         k = tree.depth if tree is not None else options["num_draft_tokens"]  # a tree's round is its own
         lookup_tokens = options["lookup_tokens"] if mode == "ngram-eagle3" else None
-        adaptive = options["auto"] or k == "auto"
-        if adaptive and lookup_tokens is not None:
-            raise InputError("--lookup-tokens needs a fixed --num-draft-tokens, not auto")
-        verified = "auto"
-        if not adaptive:
-            drafter, verified = with_lookup_tokens(drafter, k, lookup_tokens)
-            speculative.check_inputs(model.cfg, drafter, verified)
+        drafter, verified = cli.fixed_drafting(model, drafter, "auto" if options["auto"] else k, lookup_tokens)
         cli.check_memory(options["plan_at"](drafter, verified), batch_size)
-        if adaptive:
+        if verified == "auto":
             verified = cli.adaptive_drafting(model, drafter, sampling, batch_size, options["context"])
-            speculative.check_inputs(model.cfg, drafter, verified)
         return SpeculativeRunner(model, drafter, sampling, eos, batch_size, verified, draft_steps=k)
 
     return prepare

@@ -169,13 +169,31 @@ def draft_tokens(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
+def fixed_drafting(model, drafter, num_draft_tokens: int | str, lookup_tokens: int | None):
+    """(drafter, the K its rounds verify), checked, for a fixed --num-draft-tokens; (drafter, 'auto') for adaptive
+    drafting, which --lookup-tokens cannot join (`adaptive_drafting` then calibrates it)."""
+    from specjax import speculative
+    from specjax.drafters import with_lookup_tokens
+
+    if drafter is not None and num_draft_tokens == "auto":
+        if lookup_tokens is not None:
+            raise InputError("--lookup-tokens needs a fixed --num-draft-tokens")
+        return drafter, "auto"
+    drafter, verified = with_lookup_tokens(drafter, num_draft_tokens, lookup_tokens)
+    if drafter is not None:
+        speculative.check_inputs(model.cfg, drafter, verified)
+    return drafter, verified
+
+
 def adaptive_drafting(model, drafter, sampling, batch: int, context: int):
-    """`--num-draft-tokens auto`: the calibrated menu of `specjax.adaptive`, reported on stderr."""
+    """`--num-draft-tokens auto`: the calibrated menu of `specjax.adaptive`, checked and reported on stderr."""
+    from specjax import speculative
     from specjax.adaptive import calibrated
 
     adaptive = calibrated(
         model.weights, model.cfg, drafter, CALIBRATION_DRAFT_TOKENS, batch=batch, context=context, sampling=sampling
     )
+    speculative.check_inputs(model.cfg, drafter, adaptive)
     costs = ", ".join(f"{k}: {c:.2f}" for k, c in zip(adaptive.menu, adaptive.cost.tolist()))
     print(f"[adaptive drafting, cost of a round in plain steps by draft size: {costs}]", file=sys.stderr)
     return adaptive

@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from decode import cli
 from specjax import speculative
 from specjax.adaptive import Adaptive
-from specjax.drafters import SPEC_HELP, drafter_from_spec, with_lookup_tokens
-from specjax.errors import InputError
+from specjax.drafters import SPEC_HELP, drafter_from_spec
 from specjax.generate import generate
 from specjax.io.models import load_model
 from specjax.tree import TreeSpec
@@ -75,23 +74,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = args.batch_size or (min(samples, 64) if samples > 1 else 8)
     per_call = max(1, min(rows // samples, len(prompts)))  # prompts per batch (more would decode padding rows)
     batch_size = per_call * samples
-    verified = args.num_draft_tokens
-    adaptive = drafter is not None and verified == "auto"
-    if adaptive and args.lookup_tokens is not None:
-        raise InputError("--lookup-tokens needs a fixed --num-draft-tokens")
-    if not adaptive:
-        drafter, verified = with_lookup_tokens(drafter, verified, args.lookup_tokens)
-        if drafter is not None:
-            speculative.check_inputs(model.cfg, drafter, verified)
+    drafter, verified = cli.fixed_drafting(model, drafter, args.num_draft_tokens, args.lookup_tokens)
     plan_at = cli.memory_plan_at(model, drafter, verified, max(map(len, prompt_ids)), args.max_new_tokens)
     if args.plan:
         print(plan_at(batch_size).table(cli.device_memory()), end="")
         return
     cli.check_memory(plan_at, batch_size)
-    if adaptive:
+    if verified == "auto" and drafter is not None:
         context = max(map(len, prompt_ids)) + args.max_new_tokens // 2
         verified = cli.adaptive_drafting(model, drafter, sampling, batch_size, context)
-        speculative.check_inputs(model.cfg, drafter, verified)
 
     results = []
     for start, group in zip(range(0, len(prompts), per_call), cli.batches(prompt_ids, per_call)):
