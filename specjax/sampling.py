@@ -124,8 +124,12 @@ def process_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     # The filters run only when some row uses them: a batch without truncation pays nothing for it.
     x = jax.lax.cond(jnp.any(sampling.top_k > 0), top_k_mask, lambda x, _: x, x, sampling.top_k)
     x = jax.lax.cond(jnp.any(sampling.top_p < 1), top_p_mask, lambda x, _: x, x, sampling.top_p)
-    argmax_only = jnp.where(jnp.arange(x.shape[-1]) == jnp.argmax(logits, axis=-1)[..., None], 0.0, NEG_INF)
-    return jnp.where(greedy_row, argmax_only, x)
+
+    def argmax_only(x):  # greedy rows keep their argmax alone
+        top = jnp.arange(x.shape[-1]) == jnp.argmax(logits, axis=-1)[..., None]
+        return jnp.where(greedy_row, jnp.where(top, 0.0, NEG_INF), x)
+
+    return jax.lax.cond(jnp.any(greedy_row), argmax_only, lambda x: x, x)
 
 
 def probabilities(logits: jax.Array, sampling: Sampling) -> jax.Array:
