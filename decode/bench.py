@@ -152,16 +152,21 @@ class SpeculativeRunner:
         return [c.output_ids for c in out.completions], out.seconds, out.stats
 
 
-def drafter_spec(mode: str, cfg: ModelConfig, ngram: int, draft_layers: int | None, eagle3: str | None) -> str:
+def drafter_spec(
+    mode: str, cfg: ModelConfig, ngram: int, draft_layers: int | None, eagle3: str | None, dflash: str | None
+) -> str:
     """The `drafter_from_spec` spec of a speculative mode, from the bench's options."""
     if mode in ("eagle3-chain", "eagle3-tree", "ngram-eagle3") and not eagle3:
         raise InputError(f"mode {mode} needs an EAGLE-3 head folder: --eagle3 PATH")
+    if mode == "dflash" and not dflash:
+        raise InputError("mode dflash needs a DFlash draft folder: --dflash PATH")
     return {
         "ngram": f"ngram:{ngram}",
         "layerskip": f"layerskip:{draft_layers or LayerSkipDrafter.default_layers(cfg)}",
         "eagle3-chain": f"eagle3:{eagle3}",
         "eagle3-tree": f"eagle3:{eagle3}",
         "ngram-eagle3": f"ngram:{ngram}+eagle3:{eagle3}",
+        "dflash": f"dflash:{dflash}",
     }[mode]
 
 
@@ -170,7 +175,9 @@ def specjax_speculative(mode: str) -> Callable[..., SpeculativeRunner]:
 
     def prepare(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int, **options):
         tree = TreeSpec.parse(options["tree"] or DEFAULT_TREE) if mode == "eagle3-tree" else None
-        spec = drafter_spec(mode, model.cfg, options["ngram"], options["draft_layers"], options["eagle3"])
+        spec = drafter_spec(
+            mode, model.cfg, options["ngram"], options["draft_layers"], options["eagle3"], options["dflash"]
+        )
         drafter = drafter_from_spec(spec, model.weights, model.cfg, tree=tree)
         k = tree.depth if tree is not None else options["num_draft_tokens"]  # a tree's round is its own
         lookup_tokens = options["lookup_tokens"] if mode == "ngram-eagle3" else None
@@ -192,8 +199,9 @@ MODES: dict[str, Callable[..., Runner]] = {
     "eagle3-chain": specjax_speculative("eagle3-chain"),
     "eagle3-tree": specjax_speculative("eagle3-tree"),
     "ngram-eagle3": specjax_speculative("ngram-eagle3"),
+    "dflash": specjax_speculative("dflash"),
 }
-SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree", "ngram-eagle3")
+SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree", "ngram-eagle3", "dflash")
 
 
 # Peers that draft: their forwards per token are not known here.
@@ -314,6 +322,7 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--draft-layers", type=int, default=None, help="layers of the layerskip drafter (default L/4)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder for the eagle3-chain / eagle3-tree modes")
     p.add_argument("--tree", default=None, help=f"depth,topk,budget of the eagle3-tree mode (default {DEFAULT_TREE})")
+    p.add_argument("--dflash", default=None, help="DFlash draft folder for the dflash mode")
     p.add_argument(
         "--prompt-set", choices=("humaneval", "chat"), default="humaneval",
         help="the prompts when none are given: HumanEval's 164, or specjax's 96 general-chat prompts (8 categories)",
@@ -365,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli.check_memory(plan_at(None, 0), batch_size)  # the weights and the autoregressive loop, before any mode
     options = dict(
         num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, lookup_tokens=args.lookup_tokens,
-        draft_layers=args.draft_layers, eagle3=args.eagle3, tree=args.tree, context=context, plan_at=plan_at,
+        draft_layers=args.draft_layers, eagle3=args.eagle3, tree=args.tree, dflash=args.dflash, context=context,
+        plan_at=plan_at,
     )  # fmt: skip
 
     def prepare(mode: str) -> Runner:
@@ -390,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "dtype": str(model.weights.embed.dtype), "date": time.strftime("%Y-%m-%d"),
         "num_draft_tokens": args.num_draft_tokens, "ngram": args.ngram, "lookup_tokens": args.lookup_tokens,
         "draft_layers": args.draft_layers, "eagle3": args.eagle3, "tree": args.tree or DEFAULT_TREE,
+        "dflash": args.dflash,
         "device": jax.devices()[0].device_kind, "weight_bytes": weights, "bandwidth_bytes_per_s": bandwidth,
         "bandwidth_source": bandwidth_source,
     }  # fmt: skip

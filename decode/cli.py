@@ -185,13 +185,18 @@ def fixed_drafting(model, drafter, num_draft_tokens: int | str, lookup_tokens: i
     return drafter, verified
 
 
+def auto_max_drafts(drafter) -> int:
+    """The largest K `--num-draft-tokens auto` drafts: the default, or less where the drafter proposes fewer."""
+    return min(CALIBRATION_DRAFT_TOKENS, drafter.max_draft_tokens or CALIBRATION_DRAFT_TOKENS)
+
+
 def adaptive_drafting(model, drafter, sampling, batch: int, context: int):
     """`--num-draft-tokens auto`: the calibrated menu of `specjax.adaptive`, checked and reported on stderr."""
     from specjax import speculative
     from specjax.adaptive import calibrated
 
     adaptive = calibrated(
-        model.weights, model.cfg, drafter, CALIBRATION_DRAFT_TOKENS, batch=batch, context=context, sampling=sampling
+        model.weights, model.cfg, drafter, auto_max_drafts(drafter), batch=batch, context=context, sampling=sampling
     )
     speculative.check_inputs(model.cfg, drafter, adaptive)
     costs = ", ".join(f"{k}: {c:.2f}" for k, c in zip(adaptive.menu, adaptive.cost.tolist()))
@@ -204,7 +209,7 @@ def memory_plan_at(model, drafter, num_draft_tokens: int | str, prompt_len: int,
     largest draft adaptive drafting compiles."""
     shape = None
     if drafter is not None:
-        shape = drafter.draft_shape(CALIBRATION_DRAFT_TOKENS if num_draft_tokens == "auto" else num_draft_tokens)
+        shape = drafter.draft_shape(auto_max_drafts(drafter) if num_draft_tokens == "auto" else num_draft_tokens)
 
     def plan_at(rows: int) -> MemoryPlan:
         return memory_plan(

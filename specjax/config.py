@@ -89,7 +89,7 @@ class ModelConfig:
                 head_dim=int(hf.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type.startswith("qwen") else 1e-5)),
                 rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-                rope_scaling=_rope_scaling(hf.get("rope_scaling") or hf.get("rope_parameters")),
+                rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling") or hf.get("rope_parameters")),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
                 qk_norm=model_type == "qwen3",
@@ -140,7 +140,9 @@ _ARCHITECTURES = {
 }
 
 
-def _rope_scaling(raw: Mapping[str, Any] | None) -> RopeScaling | None:
+def rope_scaling_from_hf(raw: Mapping[str, Any] | None) -> RopeScaling | None:
+    """The RopeScaling of a config.json `rope_scaling` entry (None for none or the default); UnsupportedModelError for
+    a type specjax does not implement."""
     if not raw:
         return None
     rope_type = raw.get("rope_type", raw.get("type", "default"))

@@ -5,6 +5,7 @@ knows which it runs.
 - `LayerSkipDrafter`: the target's first N layers + final norm + LM head.
 - `ModelDrafter`: a separate, smaller checkpoint with the same vocabulary.
 - `Eagle3Drafter`: an EAGLE-3 head over the target's hidden states, as a chain or a dynamic tree.
+- `DFlashDrafter`: a DFlash block-diffusion draft over the target's hidden states, K drafts in one forward.
 - `LookupFirstDrafter`: prompt lookup where the text repeats, another chain drafter elsewhere.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from specjax.config import ModelConfig
 from specjax.defaults import DEFAULT_NGRAM
 from specjax.drafters.base import BaseDrafter, Drafter, draw
+from specjax.drafters.dflash import DFlashDrafter, load_dflash_drafter
 from specjax.drafters.eagle3 import Eagle3Drafter, Eagle3State, load_eagle3_drafter
 from specjax.drafters.model import LayerSkipDrafter, ModelDrafter, ModelDraftState
 from specjax.drafters.ngram import (
@@ -30,6 +32,7 @@ from specjax.tree import TreeSpec
 
 __all__ = [
     "BaseDrafter",
+    "DFlashDrafter",
     "Drafter",
     "Eagle3Drafter",
     "Eagle3State",
@@ -40,6 +43,7 @@ __all__ = [
     "NgramDrafter",
     "draw",
     "drafter_from_spec",
+    "load_dflash_drafter",
     "load_eagle3_drafter",
     "ngram_lookup",
     "ngram_proposal",
@@ -49,7 +53,8 @@ __all__ = [
 SPEC_HELP = (
     f"none, ngram[:N] (N = longest n-gram, default {DEFAULT_NGRAM}), layerskip:N (first N layers), model:PATH, "
     "eagle3:PATH (an EAGLE-3 head folder, or eagle3:smollm2-135m for the built-in head; with --tree for tree "
-    "drafting), or ngram[:N]+SPEC (prompt lookup where the last N tokens recur, the chain drafter SPEC elsewhere)"
+    "drafting), dflash:PATH (a DFlash draft folder), or ngram[:N]+SPEC (prompt lookup where the last N tokens recur, "
+    "the chain drafter SPEC elsewhere)"
 )
 
 
@@ -70,8 +75,8 @@ def drafter_from_spec(
     """Builds a drafter from a command-line spec.
 
     Args:
-      spec: "none", "ngram", "ngram:N", "layerskip:N", "model:PATH", "eagle3:PATH", or "ngram+" / "ngram:N+" and
-        one of the others (lookup first where the last N tokens recur, that drafter elsewhere).
+      spec: "none", "ngram", "ngram:N", "layerskip:N", "model:PATH", "eagle3:PATH", "dflash:PATH", or "ngram+" /
+        "ngram:N+" and one of the others (lookup first where the last N tokens recur, that drafter elsewhere).
       weights, cfg: the target model (layer-skip drafts with its own weights; EAGLE-3 shares its embedding).
       load: for "model:PATH", returns (cfg, weights) of the checkpoint at PATH.
       tree: for "eagle3:PATH", draft a dynamic tree of this shape instead of a chain.
@@ -95,6 +100,10 @@ def drafter_from_spec(
         if not arg:
             raise InputError("EAGLE-3 drafting needs a head folder: eagle3:PATH (config.json + *.safetensors)")
         return load_eagle3_drafter(arg, cfg, weights.embed, tree)
+    if kind == "dflash":
+        if not arg:
+            raise InputError("DFlash drafting needs a draft folder: dflash:PATH (config.json + *.safetensors)")
+        return load_dflash_drafter(arg, cfg, weights)
     if kind == "none" and not arg:
         return None
     if kind == "ngram":

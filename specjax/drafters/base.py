@@ -42,6 +42,9 @@ class Drafter(Protocol):
     """Static ids of the target layers whose input residual stream the loop returns from the prefill and every
     verification forward (EAGLE-3); () for drafters that do not read the target's hidden states."""
 
+    max_draft_tokens: int | None
+    """The most drafts one round can propose (a DFlash block's K = Bs - 1); None: no bound."""
+
     allows_plain_rounds: bool
     """Whether rounds without drafts (plain decoding steps, `specjax.adaptive`) may come between proposals: true when
     `commit` alone keeps the state current."""
@@ -115,6 +118,7 @@ class BaseDrafter:
     drafts, no taps, nothing to check, no state, nothing to commit."""
 
     tap_layers: tuple[int, ...] = ()
+    max_draft_tokens: int | None = None
     allows_plain_rounds: bool = True
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
@@ -142,10 +146,10 @@ class BaseDrafter:
 
 
 def draw(key: jax.Array, logits_bv: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array]:
-    """Draws a token from processed logits and returns it with the distribution it was drawn from.
+    """Draws a token from processed logits [B, ..., V] and returns it with the distribution it was drawn from.
 
     Returns:
-      (token int32 [B], draft_probs float32 [B, V]); greedy: the argmax and its one-hot.
+      (token int32 [B, ...], draft_probs float32 [B, ..., V]); greedy: the argmax and its one-hot.
     """
     probs = probabilities(logits_bv, sampling)
     if sampling.greedy:

@@ -119,8 +119,13 @@ class LookupFirstDrafter(BaseDrafter):
     def allows_plain_rounds(self) -> bool:
         return self.fallback.allows_plain_rounds
 
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """The fallback's bound where it drafts K; none where it drafts its own fixed count."""
+        return self.fallback.max_draft_tokens if self.fallback_tokens is None else None
+
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
-        self.fallback.validate(target_cfg, num_draft_tokens)
+        self.fallback.validate(target_cfg, min(self.fallback_tokens or num_draft_tokens, num_draft_tokens))
 
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> Any:
         return self.fallback.init(tokens_bp, lengths_b, num_slots)

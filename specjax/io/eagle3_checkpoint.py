@@ -224,19 +224,6 @@ def _plan(
     return readers, has_embed
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    if not any(folder.glob("*.safetensors")) and not (folder / "model.safetensors.index.json").is_file():
-        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        if pickled:
-            raise CheckpointError(
-                f"{folder} holds only pickled PyTorch weights ({', '.join(pickled)}), which specjax does not load "
-                '(unpickling runs code); convert once with: python -c "import torch, safetensors.torch as st; '
-                f"st.save_file(torch.load('{folder / pickled[0]}', weights_only=True), "
-                f"'{folder / 'model.safetensors'}')\""
-            )
-    return _safetensors_files(folder)
-
-
 def check_eagle3(folder: str | os.PathLike, target_cfg: ModelConfig) -> Eagle3Config:
     """Validates a head folder from config.json and the safetensors headers alone (no tensor data is read).
 
@@ -256,7 +243,7 @@ def _inspect(folder: Path, target_cfg: ModelConfig):
         raise CheckpointError(f"{folder} is not a folder; pass a folder with config.json and model.safetensors")
     cfg = Eagle3Config.from_hf(read_json(folder / "config.json"), target_cfg)
     headers: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for path in _weight_files(folder):
+    for path in _safetensors_files(folder):
         headers.update(_read_header(path))
     readers, has_embed = _plan(cfg, headers, folder)
     return cfg, readers, has_embed

@@ -59,7 +59,17 @@ def read_config(folder: Path) -> ModelConfig:
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
-    """model.safetensors, else the shards named by model.safetensors.index.json, else every *.safetensors."""
+    """model.safetensors, else the shards named by model.safetensors.index.json, else every *.safetensors.
+    Pickled PyTorch weights are refused with the one-line conversion (unpickling runs code)."""
+    if not any(folder.glob("*.safetensors")) and not (folder / "model.safetensors.index.json").is_file():
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        if pickled:
+            raise CheckpointError(
+                f"{folder} holds only pickled PyTorch weights ({', '.join(pickled)}), which specjax does not load "
+                '(unpickling runs code); convert once with: python -c "import torch, safetensors.torch as st; '
+                f"st.save_file(torch.load('{folder / pickled[0]}', weights_only=True), "
+                f"'{folder / 'model.safetensors'}')\""
+            )
     single = folder / "model.safetensors"
     if single.is_file():
         return [single]
@@ -152,11 +162,16 @@ def write_hf_tensors(
       folder: the destination (created if needed).
       hf_config: the config.json dict.
       tensors: HF-named tensors in PyTorch layout.
-      dtype: the stored dtype (e.g. np.float32, np.float16, ml_dtypes.bfloat16).
+      dtype: the stored dtype of the float tensors (e.g. np.float32, np.float16, ml_dtypes.bfloat16); integer
+        tensors keep theirs.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    stored = {name: np.ascontiguousarray(np.asarray(t).astype(dtype)) for name, t in tensors.items()}
+    arrays = {name: np.asarray(t) for name, t in tensors.items()}
+    stored = {
+        name: np.ascontiguousarray(t.astype(dtype) if np.issubdtype(t.dtype, np.floating) else t)
+        for name, t in arrays.items()
+    }
     _atomic_write(folder / "model.safetensors", lambda tmp: safetensors.numpy.save_file(stored, tmp, {"format": "pt"}))
     text = json.dumps(dict(hf_config), indent=2)
     _atomic_write(folder / "config.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

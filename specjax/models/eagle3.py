@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.config import ModelConfig, RopeScaling, _rope_scaling
+from specjax.config import ModelConfig, RopeScaling, rope_scaling_from_hf
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
 from specjax.kv_cache import KVCache
 from specjax.models.llama import ArraySpec, apply_rope, attend, rms_norm, rope_inv_freq
@@ -198,7 +198,7 @@ class Eagle3Config:
                 tap_layers=taps,
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
                 rope_theta=float(hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
-                rope_scaling=_rope_scaling(hf.get("rope_scaling") or rope_params),
+                rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling") or rope_params),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),

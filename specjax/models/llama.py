@@ -115,28 +115,50 @@ def init_weights(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: flo
 # Conversion from the HF naming and [out, in] layout. Every loader (safetensors, GGUF, converted cache) lands here.
 
 
-def hf_tensor_names(cfg: ModelConfig) -> list[str]:
-    """The HF tensor names a checkpoint of `cfg` must contain."""
-    per_layer = [
-        "input_layernorm.weight",
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "post_attention_layernorm.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-    ]
-    if cfg.attention_bias:
-        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    if cfg.qk_norm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    names += [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
+def hf_fetcher(get: Callable[[str], np.ndarray]) -> Callable[[str, tuple[int, ...]], np.ndarray]:
+    """fetch(name, shape): the named tensor as float32 numpy, or CheckpointError when absent or mis-shaped."""
+
+    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        try:
+            t = get(name)
+        except KeyError:
+            raise CheckpointError(f"checkpoint lacks tensor {name!r} (expected shape {list(shape)})") from None
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+        return np.asarray(t, np.float32)
+
+    return fetch
+
+
+def layers_from_hf(
+    cfg: ModelConfig, fetch: Callable[[str, tuple[int, ...]], np.ndarray], prefix: str = "model.layers."
+) -> LayerWeights:
+    """`cfg`'s decoder layers, stacked, as float32 numpy in the JAX layout, from HF tensors under `{prefix}{i}.`."""
+    D, N, K, H, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+
+    def stack(suffix: str, shape: tuple[int, ...], to_jax: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        return np.stack([to_jax(fetch(f"{prefix}{i}.{suffix}", shape)) for i in range(cfg.num_layers)])
+
+    def proj_in(heads):  # [heads*H, D] -> [D, heads, H]
+        return lambda w: w.T.reshape(D, heads, H)
+
+    bias, norm = cfg.attention_bias, cfg.qk_norm
+    return LayerWeights(
+        attn_norm=stack("input_layernorm.weight", (D,), lambda w: w),
+        q=stack("self_attn.q_proj.weight", (N * H, D), proj_in(N)),
+        k=stack("self_attn.k_proj.weight", (K * H, D), proj_in(K)),
+        v=stack("self_attn.v_proj.weight", (K * H, D), proj_in(K)),
+        o=stack("self_attn.o_proj.weight", (D, N * H), lambda w: w.T.reshape(N, H, D)),
+        mlp_norm=stack("post_attention_layernorm.weight", (D,), lambda w: w),
+        gate=stack("mlp.gate_proj.weight", (F, D), lambda w: w.T),
+        up=stack("mlp.up_proj.weight", (F, D), lambda w: w.T),
+        down=stack("mlp.down_proj.weight", (D, F), lambda w: w.T),
+        q_bias=stack("self_attn.q_proj.bias", (N * H,), lambda b: b.reshape(N, H)) if bias else None,
+        k_bias=stack("self_attn.k_proj.bias", (K * H,), lambda b: b.reshape(K, H)) if bias else None,
+        v_bias=stack("self_attn.v_proj.bias", (K * H,), lambda b: b.reshape(K, H)) if bias else None,
+        q_norm=stack("self_attn.q_norm.weight", (H,), lambda w: w) if norm else None,
+        k_norm=stack("self_attn.k_norm.weight", (H,), lambda w: w) if norm else None,
+    )
 
 
 def weights_from_hf(
@@ -152,43 +174,12 @@ def weights_from_hf(
     Returns:
       The Weights. Raises CheckpointError naming any missing or mis-shaped tensor.
     """
-    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        try:
-            t = get(name)
-        except KeyError:
-            raise CheckpointError(f"checkpoint lacks tensor {name!r} (expected shape {list(shape)})") from None
-        if tuple(t.shape) != shape:
-            raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
-        return np.asarray(t, np.float32)
-
-    def stack(suffix: str, shape: tuple[int, ...], to_jax: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        return np.stack([to_jax(fetch(f"model.layers.{i}.{suffix}", shape)) for i in range(cfg.num_layers)])
-
-    def proj_in(heads):  # [heads*H, D] -> [D, heads, H]
-        return lambda w: w.T.reshape(D, heads, H)
-
+    D = cfg.hidden_size
+    fetch = hf_fetcher(get)
     specs = weight_specs(cfg)
-    F = cfg.intermediate_size
     host = Weights(
         embed=fetch("model.embed_tokens.weight", (cfg.vocab_size, D)),
-        layers=LayerWeights(
-            attn_norm=stack("input_layernorm.weight", (D,), lambda w: w),
-            q=stack("self_attn.q_proj.weight", (N * H, D), proj_in(N)),
-            k=stack("self_attn.k_proj.weight", (K * H, D), proj_in(K)),
-            v=stack("self_attn.v_proj.weight", (K * H, D), proj_in(K)),
-            o=stack("self_attn.o_proj.weight", (D, N * H), lambda w: w.T.reshape(N, H, D)),
-            mlp_norm=stack("post_attention_layernorm.weight", (D,), lambda w: w),
-            gate=stack("mlp.gate_proj.weight", (F, D), lambda w: w.T),
-            up=stack("mlp.up_proj.weight", (F, D), lambda w: w.T),
-            down=stack("mlp.down_proj.weight", (D, F), lambda w: w.T),
-            q_bias=stack("self_attn.q_proj.bias", (N * H,), lambda b: b.reshape(N, H)) if cfg.attention_bias else None,
-            k_bias=stack("self_attn.k_proj.bias", (K * H,), lambda b: b.reshape(K, H)) if cfg.attention_bias else None,
-            v_bias=stack("self_attn.v_proj.bias", (K * H,), lambda b: b.reshape(K, H)) if cfg.attention_bias else None,
-            q_norm=stack("self_attn.q_norm.weight", (H,), lambda w: w) if cfg.qk_norm else None,
-            k_norm=stack("self_attn.k_norm.weight", (H,), lambda w: w) if cfg.qk_norm else None,
-        ),
+        layers=layers_from_hf(cfg, fetch),
         final_norm=fetch("model.norm.weight", (D,)),
         lm_head=None if cfg.tie_word_embeddings else fetch("lm_head.weight", (cfg.vocab_size, D)).T,
     )
@@ -201,12 +192,18 @@ def weights_from_hf(
 def weights_to_hf(cfg: ModelConfig, weights: Weights) -> dict[str, np.ndarray]:
     """The inverse of `weights_from_hf`: float32 numpy tensors in HF naming and layout."""
     w = jax.tree.map(lambda x: np.asarray(x, np.float32), weights)
-    lw, D = w.layers, cfg.hidden_size
     out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm}
     if w.lm_head is not None:
         out["lm_head.weight"] = np.ascontiguousarray(w.lm_head.T)
+    return out | layers_to_hf(cfg, w.layers)
+
+
+def layers_to_hf(cfg: ModelConfig, layers: LayerWeights, prefix: str = "model.layers.") -> dict[str, np.ndarray]:
+    """The inverse of `layers_from_hf`: float32 numpy tensors in HF naming and layout."""
+    lw, D = jax.tree.map(lambda x: np.asarray(x, np.float32), layers), cfg.hidden_size
+    out = {}
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+        p = f"{prefix}{i}."
         out[p + "input_layernorm.weight"] = lw.attn_norm[i]
         out[p + "post_attention_layernorm.weight"] = lw.mlp_norm[i]
         for name, arr in (("q", lw.q), ("k", lw.k), ("v", lw.v)):
@@ -331,6 +328,34 @@ def attend(q_btkgh, k_cache_bskh, v_cache_bskh, k_new_btkh, v_new_btkh, cache_ma
     return out + jnp.einsum("bkgtu,bukh->btkgh", (p_new / denom).astype(dtype), v_new_btkh)
 
 
+def queries(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray, eps: float):
+    """One layer's rotated queries [B, T, N, H] from its normed input (bias and q-norm where the family has them)."""
+    q = jnp.einsum("btd,dnh->btnh", h_btd, lw.q)
+    if lw.q_bias is not None:
+        q = q + lw.q_bias
+    if lw.q_norm is not None:
+        q = rms_norm(q, lw.q_norm, eps)
+    return apply_rope(q, positions_bt, inv_freq)
+
+
+def keys_values(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray, eps: float):
+    """One layer's rotated keys and values [B, T, K, H] from its normed input."""
+    k = jnp.einsum("btd,dkh->btkh", h_btd, lw.k)
+    v = jnp.einsum("btd,dkh->btkh", h_btd, lw.v)
+    if lw.k_bias is not None:
+        k, v = k + lw.k_bias, v + lw.v_bias
+    if lw.k_norm is not None:
+        k = rms_norm(k, lw.k_norm, eps)
+    return apply_rope(k, positions_bt, inv_freq), v
+
+
+def mlp_block(lw: LayerWeights, x_btd: jax.Array, eps: float) -> jax.Array:
+    """The residual stream after one layer's SwiGLU MLP."""
+    h = rms_norm(x_btd, lw.mlp_norm, eps)
+    mlp = jax.nn.silu(jnp.einsum("btd,df->btf", h, lw.gate)) * jnp.einsum("btd,df->btf", h, lw.up)
+    return x_btd + jnp.einsum("btf,fd->btd", mlp, lw.down)
+
+
 def forward(
     weights: Weights,
     cfg: ModelConfig,
@@ -376,20 +401,11 @@ def forward(
         lw, k_cache, v_cache = xs
         taps = jnp.stack([jnp.where(i == t, x_btd, taps[j]) for j, t in enumerate(tap_layers)]) if tap_layers else taps
         h = rms_norm(x_btd, lw.attn_norm, eps)
-        q = jnp.einsum("btd,dnh->btnh", h, lw.q)
-        k = jnp.einsum("btd,dkh->btkh", h, lw.k)
-        v = jnp.einsum("btd,dkh->btkh", h, lw.v)
-        if lw.q_bias is not None:
-            q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
-        if lw.q_norm is not None:
-            q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
-        q, k = apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq)
+        q = queries(lw, h, positions_bt, inv_freq, eps)
+        k, v = keys_values(lw, h, positions_bt, inv_freq, eps)
         attn = attend(q.reshape(B, T, K, G, -1), k_cache, v_cache, k, v, cache_mask, new_mask)
         x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn.reshape(B, T, cfg.num_heads, -1), lw.o)
-        h = rms_norm(x_btd, lw.mlp_norm, eps)
-        mlp = jax.nn.silu(jnp.einsum("btd,df->btf", h, lw.gate)) * jnp.einsum("btd,df->btf", h, lw.up)
-        x_btd = x_btd + jnp.einsum("btf,fd->btd", mlp, lw.down)
-        return (x_btd, taps, i + 1), (k, v)
+        return (mlp_block(lw, x_btd, eps), taps, i + 1), (k, v)
 
     (x_btd, taps, _), (k_new, v_new) = jax.lax.scan(
         layer, (x_btd, taps0, jnp.int32(0)), (weights.layers, cache.k, cache.v)

@@ -1,0 +1,107 @@
+"""DFlash drafting (docs/dflash.md, section 5): one forward of the draft over [pending, MASK * (Bs - 1)] proposes K
+drafts at once, each with the distribution it was drawn from.
+
+Context bookkeeping: the draft's cache holds, for every committed position before the pending token, every layer's
+keys and values of the target's features there (`context_kv`). `commit` writes them from the target's own taps after
+the prefill and after every verification, so its lengths equal the target cache's; drafting never writes it. Row j's
+distribution depends on the committed text alone, not on the other rows' draws, so drawing the K drafts in parallel
+is exact (section 5.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig
+from specjax.drafters.base import BaseDrafter, draw
+from specjax.errors import InputError
+from specjax.kv_cache import KVCache
+from specjax.models.dflash import (
+    DFlashConfig,
+    DFlashWeights,
+    block_hidden,
+    block_inputs,
+    context_kv,
+    draft_logits,
+    to_target_vocab,
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DFlashDrafter(BaseDrafter):
+    """DFlash drafter (a pytree). `embed_vd` and `head_vd` are the target's embedding and LM head, both [V, D]."""
+
+    weights: DFlashWeights
+    embed_vd: jax.Array
+    head_vd: jax.Array
+    cfg: DFlashConfig = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def for_target(cls, weights: DFlashWeights, cfg: DFlashConfig, target) -> DFlashDrafter:
+        """The drafter over a target's `specjax.models.llama.Weights` (its embedding and LM head, shared)."""
+        head_vd = target.embed if target.lm_head is None else target.lm_head.T
+        return cls(weights, target.embed, head_vd, cfg)
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.cfg.tap_layers
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.cfg.max_drafts
+
+    def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
+        self.cfg.check_target(target_cfg)
+        if num_draft_tokens > self.cfg.max_drafts:
+            raise InputError(
+                f"a DFlash draft with block size {self.cfg.block_size} proposes at most {self.cfg.max_drafts} tokens "
+                f"a round; got --num-draft-tokens {num_draft_tokens}"
+            )
+
+    def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> KVCache:
+        return KVCache.empty(self.cfg.layers, tokens_bp.shape[0], num_slots, self.weights.fc.dtype)
+
+    def commit(self, cache: KVCache, next_tokens_bt, taps_btf, count_b) -> KVCache:
+        """Context keys and values of the newly committed positions, from the target's taps there."""
+        T = next_tokens_bt.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        k, v = context_kv(self.weights, self.cfg, taps_btf, positions)
+        return cache.write(k, v).advance(count_b)
+
+    def block_logits(self, cache: KVCache, pending_b: jax.Array, num_rows: int) -> jax.Array:
+        """float32 logits [B, num_rows, V or Vd] of the block rows after the anchor, for the block at the pending
+        token's position (= cache.lengths)."""
+        Bs, B, S = self.cfg.block_size, pending_b.shape[0], cache.num_slots
+        ids, positions = block_inputs(self.cfg, cache.lengths[:, None], pending_b[:, None])
+        ctx_mask = jnp.arange(S)[None, None, :] < cache.lengths[:, None, None]
+        h = block_hidden(
+            self.weights, self.cfg, self.embed_vd, ids, positions, cache.k, cache.v,
+            jnp.broadcast_to(ctx_mask, (B, Bs, S)), jnp.ones((B, Bs, Bs), bool),
+        )  # fmt: skip
+        return draft_logits(self.weights, self.head_vd, h[:, 1 : num_rows + 1])
+
+    def propose(self, cache: KVCache, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
+        """Rows 1..K of one block: the whole block runs whatever K is (its rows attend to each other)."""
+        pending_b = jnp.take_along_axis(tokens_bs, (length_b - 1)[:, None], axis=1)[:, 0]
+        logits_bkv = self.block_logits(cache, pending_b, num_draft_tokens)
+        if sampling.greedy:  # greedy acceptance reads only the tokens
+            best = jnp.argmax(logits_bkv, axis=-1).astype(jnp.int32)
+            tokens = best if self.weights.vocab_ids is None else self.weights.vocab_ids[best]
+            return tokens, jax.nn.one_hot(tokens, vocab_size, dtype=jnp.float32), cache
+        tokens, probs = draw(key, to_target_vocab(self.weights, logits_bkv, vocab_size), sampling)
+        return tokens, probs, cache
+
+
+def load_dflash_drafter(path: str, target_cfg: ModelConfig, target_weights: Any) -> DFlashDrafter:
+    """Loads a DFlash draft folder (config.json + safetensors) for this target. Raises CheckpointError / InputError."""
+    from specjax.io.dflash_checkpoint import load_dflash
+
+    cfg, weights = load_dflash(path, target_cfg, dtype=target_weights.embed.dtype)
+    drafter = DFlashDrafter.for_target(weights, cfg, target_weights)
+    drafter.validate(target_cfg, 1)
+    return drafter

@@ -1,0 +1,307 @@
+"""The DFlash draft model (docs/dflash.md): L Qwen3-style decoder layers run once over a block
+[anchor, MASK * (Bs - 1)], with the target's features injected into every layer's attention as extra keys and values.
+
+Functional like the verifier: a weights pytree (the layers reuse `LayerWeights`) and pure functions. The draft has
+no embedding and no LM head of its own: it reads the target's. Shape letters as in `specjax.models.llama`, plus C
+context rows (target positions the draft attends to) and F = len(target_layer_ids) * target width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig, RopeScaling, rope_scaling_from_hf
+from specjax.errors import CheckpointError, InputError
+from specjax.models.llama import (
+    ArraySpec,
+    LayerWeights,
+    attend,
+    keys_values,
+    mlp_block,
+    queries,
+    rms_norm,
+    rope_inv_freq,
+    weight_specs,
+)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The target layers ("output of layer i", 0-based) a draft reads when its config lists none: the middle layer
+    for one draft layer, else one per draft layer spread from 1 to N - 3."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """Shape of a DFlash draft and the target it serves (static)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    vocab_size: int  # the target's
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False
+    draft_vocab_size: int | None = None  # specjax: score only these target ids (`DFlashWeights.vocab_ids`)
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise CheckpointError(f"a DFlash block holds the anchor and at least one mask token; got {self.block_size}")
+        if not self.target_layer_ids:
+            raise CheckpointError("a DFlash draft reads at least one target layer; target_layer_ids is empty")
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The verifier's taps ("input of layer j") that carry the outputs of `target_layer_ids`."""
+        return tuple(i + 1 for i in self.target_layer_ids)
+
+    @property
+    def max_drafts(self) -> int:
+        """K = Bs - 1: the drafts one block proposes."""
+        return self.block_size - 1
+
+    @property
+    def layers(self) -> ModelConfig:
+        """The decoder stack as a Qwen3-style model config (shapes, norms and rotary settings)."""
+        return ModelConfig(
+            "qwen3", self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers, self.num_heads,
+            self.num_kv_heads, self.head_dim, self.rms_norm_eps, self.rope_theta, self.rope_scaling,
+            attention_bias=self.attention_bias, qk_norm=True,
+        )  # fmt: skip
+
+    @classmethod
+    def default_for(
+        cls,
+        target: ModelConfig,
+        mask_token_id: int,
+        *,
+        num_layers: int = 1,
+        block_size: int = 8,
+        target_layer_ids: tuple[int, ...] | None = None,
+        draft_vocab_size: int | None = None,
+    ) -> DFlashConfig:
+        """A draft as wide as `target`, with its attention shape and rotary settings."""
+        ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
+        return cls(
+            target.hidden_size, target.intermediate_size, num_layers, target.num_heads, target.num_kv_heads,
+            target.head_dim, block_size, mask_token_id, tuple(ids), target.num_layers, target.vocab_size,
+            target.rms_norm_eps, target.rope_theta, target.rope_scaling, draft_vocab_size=draft_vocab_size,
+        )  # fmt: skip
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Raises InputError when this draft cannot serve `target`."""
+        if (self.vocab_size, self.hidden_size) != (target.vocab_size, target.hidden_size):
+            raise InputError(
+                f"this DFlash draft was made for a target with vocabulary {self.vocab_size} and width "
+                f"{self.hidden_size}, but the target has {target.vocab_size} and {target.hidden_size}"
+            )
+        if self.num_target_layers != target.num_layers:
+            raise InputError(
+                f"this DFlash draft reads layers {list(self.target_layer_ids)} of a {self.num_target_layers}-layer "
+                f"target, but the target has {target.num_layers} layers"
+            )
+        if not all(0 <= i < target.num_layers - 1 for i in self.target_layer_ids):
+            raise InputError(
+                f"DFlash target_layer_ids {list(self.target_layer_ids)} must lie in 0..{target.num_layers - 2} (the "
+                "last layer's output is the target's normed final state in the reference, not a residual)"
+            )
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise InputError(f"mask_token_id {self.mask_token_id} is outside the target's {target.vocab_size} tokens")
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], target: ModelConfig) -> DFlashConfig:
+        """Reads a DFlash config.json (DFlash keys from `dflash_config` first, then the top level); the vocabulary
+        is the target's. Raises CheckpointError for a malformed or unsupported config."""
+        inner = hf.get("dflash_config") or {}
+
+        def key(name: str, default: Any = None) -> Any:
+            return inner.get(name, hf.get(name, default))
+
+        unsupported = [t for t in hf.get("layer_types") or () if t != "full_attention"]
+        if unsupported or hf.get("hidden_act", "silu") != "silu" or hf.get("tie_word_embeddings"):
+            raise CheckpointError(
+                "specjax runs DFlash drafts of full-attention, silu layers with the target's own LM head; this config "
+                f"has layer_types {hf.get('layer_types')}, hidden_act {hf.get('hidden_act')!r}"
+            )
+        try:
+            heads = int(hf["num_attention_heads"])
+            num_layers = int(hf["num_hidden_layers"])
+            num_target = int(key("num_target_layers", target.num_layers))
+            ids = key("target_layer_ids")
+            return cls(
+                hidden_size=int(hf["hidden_size"]),
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=num_layers,
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+                block_size=int(key("block_size")),
+                mask_token_id=int(key("mask_token_id")),
+                target_layer_ids=tuple(int(i) for i in ids or default_target_layer_ids(num_target, num_layers)),
+                num_target_layers=num_target,
+                vocab_size=target.vocab_size,
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(hf.get("rope_theta", 10000.0)),
+                rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling")),
+                attention_bias=bool(hf.get("attention_bias", False)),
+                draft_vocab_size=int(hf["draft_vocab_size"]) if hf.get("draft_vocab_size") else None,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"DFlash config.json is missing or has a malformed key ({e!r})") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json of the published layout (docs/dflash.md, section 7.1)."""
+        hf = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "num_target_layers": self.num_target_layers,
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": self.attention_bias,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dataclasses.asdict(self.rope_scaling) if self.rope_scaling else None,
+            "layer_types": ["full_attention"] * self.num_layers,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+        }
+        if self.draft_vocab_size:
+            hf["draft_vocab_size"] = self.draft_vocab_size
+        return hf
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DFlashWeights:
+    fc: jax.Array  # [F, D]
+    hidden_norm: jax.Array  # [D]
+    layers: LayerWeights  # [L, ...]
+    norm: jax.Array  # [D]
+    vocab_ids: jax.Array | None = None  # int32 [Vd]: the target ids the draft scores; None: all V
+
+
+def weight_specs_of(cfg: DFlashConfig) -> DFlashWeights:
+    """The abstract weights of `cfg` (ArraySpec leaves; vocab_ids is not a trained weight and is left out)."""
+    D, F = cfg.hidden_size, len(cfg.target_layer_ids) * cfg.hidden_size
+    return DFlashWeights(
+        fc=ArraySpec((F, D), ("mlp", "embed")),
+        hidden_norm=ArraySpec((D,), ("embed",)),
+        layers=weight_specs(cfg.layers).layers,
+        norm=ArraySpec((D,), ("embed",)),
+    )
+
+
+def init_dflash(cfg: DFlashConfig, key: jax.Array, vocab_ids=None, dtype=jnp.float32, scale=0.02) -> DFlashWeights:
+    """Random weights: matrices normal(0, scale), norms 1 (docs/dflash.md, section 6)."""
+    leaves, treedef = jax.tree.flatten(weight_specs_of(cfg), is_leaf=lambda x: isinstance(x, ArraySpec))
+    keys = jax.random.split(key, len(leaves))
+
+    def make(spec: ArraySpec, k: jax.Array) -> jax.Array:
+        if len(spec.shape) - (spec.axes[0] == "layers") == 1 and spec.axes[-1] in ("embed", "head_dim"):
+            return jnp.ones(spec.shape, dtype)
+        return (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
+
+    weights = treedef.unflatten([make(s, k) for s, k in zip(leaves, keys)])
+    ids = None if vocab_ids is None else jnp.asarray(vocab_ids, jnp.int32)
+    return dataclasses.replace(weights, vocab_ids=ids)
+
+
+def context_kv(
+    w: DFlashWeights, cfg: DFlashConfig, taps_btf: jax.Array, positions_bt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Every layer's keys and values of context rows: the target features projected by `fc` and `hidden_norm`,
+    then each layer's k/v projection, k-norm and rotary at the rows' own positions (no input norm).
+
+    Returns:
+      (k, v), each [L, B, T, K, H].
+    """
+    c_btd = rms_norm(jnp.einsum("btf,fd->btd", taps_btf.astype(w.fc.dtype), w.fc), w.hidden_norm, cfg.rms_norm_eps)
+    inv_freq = rope_inv_freq(cfg)
+    return jax.lax.map(lambda lw: keys_values(lw, c_btd, positions_bt, inv_freq, cfg.rms_norm_eps), w.layers)
+
+
+def block_hidden(
+    w: DFlashWeights,
+    cfg: DFlashConfig,
+    embed_vd: jax.Array,
+    ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    ctx_mask_bts: jax.Array,
+    new_mask_btt: jax.Array,
+) -> jax.Array:
+    """The draft over block rows (one block per row at inference; many blocks side by side in training).
+
+    Args:
+      w, cfg: the draft.
+      embed_vd: the target's embedding.
+      ids_bt, positions_bt: the block rows' tokens (anchor, mask ids) and rotary positions.
+      ctx_k, ctx_v: [L, B, C, K, H] context keys/values (`context_kv`).
+      ctx_mask_bts: bool [B, T, C], the context rows each block row sees (the positions before its anchor).
+      new_mask_btt: bool [B, T, T], the block rows each block row sees (its own block, both directions).
+    Returns:
+      The final-normed hidden states [B, T, D], for the target's LM head.
+    """
+    B, T = ids_bt.shape
+    inv_freq, eps = rope_inv_freq(cfg), cfg.rms_norm_eps
+
+    def layer(x_btd, xs):
+        lw, k_ctx, v_ctx = xs
+        h = rms_norm(x_btd, lw.attn_norm, eps)
+        q = queries(lw, h, positions_bt, inv_freq, eps).reshape(B, T, cfg.num_kv_heads, -1, cfg.head_dim)
+        k, v = keys_values(lw, h, positions_bt, inv_freq, eps)
+        attn = attend(q, k_ctx, v_ctx, k, v, ctx_mask_bts, new_mask_btt)
+        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn.reshape(B, T, cfg.num_heads, -1), lw.o)
+        return mlp_block(lw, x_btd, eps), None
+
+    x_btd, _ = jax.lax.scan(layer, embed_vd[ids_bt].astype(w.fc.dtype), (w.layers, ctx_k, ctx_v))
+    return rms_norm(x_btd, w.norm, eps)
+
+
+def draft_logits(w: DFlashWeights, head_vd: jax.Array, h_btd: jax.Array) -> jax.Array:
+    """float32 logits of the target's LM head [V, D] over the draft's scored ids: [B, T, V], or [B, T, Vd] in the
+    order of `w.vocab_ids`."""
+    if w.vocab_ids is not None:
+        head_vd = head_vd[w.vocab_ids]
+    return jnp.einsum("btd,vd->btv", h_btd.astype(head_vd.dtype), head_vd, preferred_element_type=jnp.float32)
+
+
+def to_target_vocab(w: DFlashWeights, logits: jax.Array, vocab_size: int) -> jax.Array:
+    """Logits over the target's V ids (-inf where the draft scores none)."""
+    if w.vocab_ids is None:
+        return logits
+    full = jnp.full((*logits.shape[:-1], vocab_size), -jnp.inf, logits.dtype)
+    return full.at[..., w.vocab_ids].set(logits)
+
+
+def block_inputs(cfg: DFlashConfig, anchors_bn: jax.Array, anchor_ids_bn: jax.Array):
+    """Token ids and positions [B, N * Bs] of N blocks per row (block n: its anchor at anchors_bn, then masks)."""
+    Bs = cfg.block_size
+    ids = jnp.full((*anchors_bn.shape, Bs), cfg.mask_token_id, jnp.int32).at[..., 0].set(anchor_ids_bn)
+    positions = anchors_bn[..., None] + jnp.arange(Bs)
+    B = anchors_bn.shape[0]
+    return ids.reshape(B, -1), positions.reshape(B, -1).astype(jnp.int32)
