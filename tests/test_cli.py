@@ -189,7 +189,9 @@ def test_drafting_is_adaptive_by_default(tiny_folder, tmp_path, monkeypatch, cap
     entry([*common, "--json", str(tmp_path / "ar.json")])
     entry([*common, "--drafter", "ngram", "--json", str(tmp_path / "auto.json")])
     ar, auto = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ar", "auto"))
-    assert auto["config"]["num_draft_tokens"] == "auto" and auto["config"]["draft_sizes"][0] == 0
+    # The menu keeps the measured-useful entries of {plain step, 1, 2, 3, 5, 8}: which ones depends on the timings.
+    assert auto["config"]["num_draft_tokens"] == "auto" and set(auto["config"]["draft_sizes"]) <= {0, 1, 2, 3, 5, 8}
+    assert any(auto["config"]["draft_sizes"])
     assert auto["results"][0]["output_ids"] == ar["results"][0]["output_ids"]
     stats = auto["results"][0]["stats"]
     assert sum(stats["rounds_by_drafts"].values()) == stats["rounds"]

@@ -177,6 +177,9 @@ def test_checkpoint_round_trip_and_published_names(tmp_path):
     hf = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert hf["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [0, 2]} and hf["block_size"] == 5
 
+    save_dflash(tmp_path / "subset", CFG, random_draft(3, [0, 2, 5]))  # specjax's draft vocabulary travels along
+    assert load_dflash(tmp_path / "subset", TARGET_CFG)[1].vocab_ids.tolist() == [0, 2, 5]
+
     # A "model." prefix and DFlash keys at the top level (third-party layouts) read the same.
     from safetensors.numpy import load_file, save_file
 

@@ -1,7 +1,7 @@
 """DFlash draft checkpoints in the published layout (docs/dflash.md, section 7): config.json and safetensors with
 `fc.weight`, `hidden_norm.weight`, `norm.weight` and `layers.{i}.*` (Qwen3 layer names, PyTorch [out, in] layout),
-read with or without a leading `model.`. specjax's drafts with a reduced vocabulary add `vocab_ids` (int64 [Vd], the
-target ids the draft scores) and `draft_vocab_size` in config.json.
+read with or without a leading `model.`. specjax's drafts with a reduced vocabulary add the tensor `vocab_ids` (int64
+[Vd], the ascending target ids the draft scores).
 """
 
 from __future__ import annotations
@@ -52,24 +52,21 @@ def load_dflash(
             layers=layers_from_hf(cfg.layers, fetch, LAYER_PREFIX),
             norm=fetch("norm.weight", (D,)),
         )
-        vocab_ids = None
-        if cfg.draft_vocab_size:
-            try:
-                vocab_ids = np.asarray(get("vocab_ids")).astype(np.int64)
-            except KeyError:
-                raise CheckpointError(f"{folder}: config.json sets draft_vocab_size but vocab_ids is missing") from None
+        try:
+            vocab_ids = np.asarray(get("vocab_ids")).astype(np.int64)
+        except KeyError:
+            vocab_ids = None
     for leaf in jax.tree.leaves(host):
         if not np.isfinite(leaf).all():
             raise CheckpointError(f"{folder} holds NaN or infinite weights; the draft is corrupt, retrain it")
     if vocab_ids is not None and (
-        vocab_ids.shape != (cfg.draft_vocab_size,)
+        vocab_ids.ndim != 1
+        or not 0 < vocab_ids.size <= cfg.vocab_size
         or vocab_ids.min() < 0
         or vocab_ids.max() >= cfg.vocab_size
         or np.any(np.diff(vocab_ids) <= 0)
     ):
-        raise CheckpointError(
-            f"{folder}: vocab_ids must be {cfg.draft_vocab_size} distinct ascending ids in 0..{cfg.vocab_size - 1}"
-        )
+        raise CheckpointError(f"{folder}: vocab_ids must be distinct ascending token ids in 0..{cfg.vocab_size - 1}")
     weights = jax.tree.map(lambda w: jnp.asarray(w, dtype), host)
     return cfg, DFlashWeights(
         weights.fc, weights.hidden_norm, weights.layers, weights.norm,

@@ -58,7 +58,6 @@ class DFlashConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False
-    draft_vocab_size: int | None = None  # specjax: score only these target ids (`DFlashWeights.vocab_ids`)
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -94,14 +93,13 @@ class DFlashConfig:
         num_layers: int = 1,
         block_size: int = 8,
         target_layer_ids: tuple[int, ...] | None = None,
-        draft_vocab_size: int | None = None,
     ) -> DFlashConfig:
         """A draft as wide as `target`, with its attention shape and rotary settings."""
         ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
         return cls(
             target.hidden_size, target.intermediate_size, num_layers, target.num_heads, target.num_kv_heads,
             target.head_dim, block_size, mask_token_id, tuple(ids), target.num_layers, target.vocab_size,
-            target.rms_norm_eps, target.rope_theta, target.rope_scaling, draft_vocab_size=draft_vocab_size,
+            target.rms_norm_eps, target.rope_theta, target.rope_scaling,
         )  # fmt: skip
 
     def check_target(self, target: ModelConfig) -> None:
@@ -160,14 +158,13 @@ class DFlashConfig:
                 rope_theta=float(hf.get("rope_theta", 10000.0)),
                 rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling")),
                 attention_bias=bool(hf.get("attention_bias", False)),
-                draft_vocab_size=int(hf["draft_vocab_size"]) if hf.get("draft_vocab_size") else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"DFlash config.json is missing or has a malformed key ({e!r})") from None
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json of the published layout (docs/dflash.md, section 7.1)."""
-        hf = {
+        return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "block_size": self.block_size,
@@ -188,9 +185,6 @@ class DFlashConfig:
             "vocab_size": self.vocab_size,
             "tie_word_embeddings": False,
         }
-        if self.draft_vocab_size:
-            hf["draft_vocab_size"] = self.draft_vocab_size
-        return hf
 
 
 @jax.tree_util.register_dataclass
