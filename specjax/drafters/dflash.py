@@ -101,7 +101,5 @@ def load_dflash_drafter(path: str, target_cfg: ModelConfig, target_weights: Any)
     """Loads a DFlash draft folder (config.json + safetensors) for this target. Raises CheckpointError / InputError."""
     from specjax.io.dflash_checkpoint import load_dflash
 
-    cfg, weights = load_dflash(path, target_cfg, dtype=target_weights.embed.dtype)
-    drafter = DFlashDrafter.for_target(weights, cfg, target_weights)
-    drafter.validate(target_cfg, 1)
-    return drafter
+    cfg, weights = load_dflash(path, target_cfg, dtype=target_weights.embed.dtype)  # checks it serves this target
+    return DFlashDrafter.for_target(weights, cfg, target_weights)

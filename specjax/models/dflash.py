@@ -21,6 +21,7 @@ from specjax.models.llama import (
     ArraySpec,
     LayerWeights,
     attend,
+    is_norm_scale,
     keys_values,
     mlp_block,
     queries,
@@ -214,7 +215,7 @@ def init_dflash(cfg: DFlashConfig, key: jax.Array, vocab_ids=None, dtype=jnp.flo
     keys = jax.random.split(key, len(leaves))
 
     def make(spec: ArraySpec, k: jax.Array) -> jax.Array:
-        if len(spec.shape) - (spec.axes[0] == "layers") == 1 and spec.axes[-1] in ("embed", "head_dim"):
+        if is_norm_scale(spec):
             return jnp.ones(spec.shape, dtype)
         return (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
 

@@ -98,6 +98,11 @@ def _is_spec(x) -> bool:
     return isinstance(x, ArraySpec)
 
 
+def is_norm_scale(spec: ArraySpec) -> bool:
+    """Whether a weight is a norm's scale: one vector over the hidden or head dimension (per layer, or global)."""
+    return spec.axes[-1] in ("embed", "head_dim") and len(spec.axes) - (spec.axes[0] == "layers") == 1
+
+
 def init_weights(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Weights:
     """Random weights, e.g. for tests and benchmarks of untrained shapes: matrices normal(0, scale), norms 1 + noise."""
     leaves, treedef = jax.tree.flatten(weight_specs(cfg), is_leaf=_is_spec)
@@ -105,8 +110,7 @@ def init_weights(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: flo
 
     def make(spec: ArraySpec, k: jax.Array) -> jax.Array:
         noise = scale * jax.random.normal(k, spec.shape, jnp.float32)
-        is_norm = spec.axes[-1] in ("embed", "head_dim") and len(spec.axes) <= 2 and spec.axes[0] != "vocab"
-        return (1.0 + noise if is_norm else noise).astype(dtype)
+        return (1.0 + noise if is_norm_scale(spec) else noise).astype(dtype)
 
     return treedef.unflatten([make(s, k) for s, k in zip(leaves, keys)])
 
