@@ -303,6 +303,49 @@ def test_smoke_pipeline_exports_a_loadable_head(smoke_run):
         assert [c.output_ids for c in result.completions] == expected
 
 
+@pytest.fixture(scope="module")
+def dflash_run(smoke_run, tmp_path_factory):
+    """configs/smoke.yaml with model.drafter=dflash through the CLI, reading the smoke run's store and features (the
+    draft's taps are the head's: DFlash layer ids 1, 1, 0)."""
+    out = tmp_path_factory.mktemp("dflash") / "run"
+    overrides = [
+        f"output_dir={out}", f"data.store={smoke_run / 'store'}", f"training.features_dir={smoke_run / 'features'}",
+        "model.drafter=dflash", "model.tap_layers=[2, 2, 1]", "dflash.mask_token_id=5", "dflash.block_size=4",
+        "dflash.num_anchors=16", "training.steps=16", "evaluation.num_prompts=2", "evaluation.max_new_tokens=12",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        entry(["--config", str(SMOKE), *overrides])
+        raise SystemExit(0)
+    assert exit_info.value.code in (0, None)
+    return out
+
+
+def test_dflash_pipeline_trains_and_exports_a_draft_that_decodes_exactly(dflash_run):
+    from specjax import speculative
+    from specjax.drafters import drafter_from_spec
+    from specjax.generate import generate
+    from specjax.io.models import load_model
+
+    out = dflash_run
+    assert not (out / "features").exists()  # read from the smoke run's
+    metrics = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [4, 8, 12, 16] and len(metrics[-1]["acc_k"]) == 3
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    evaluation = json.loads((out / "eval.json").read_text())["sets"]["heldout"]
+    assert evaluation["prompts"] == 2 and evaluation["chain"]["drafts"] == "block of 4, K=3"
+    assert "# DFlash draft for `tiny-random`" in (out / "export" / "README.md").read_text()
+
+    target = load_model("tiny-random")
+    drafter = drafter_from_spec(f"dflash:{out / 'export'}", target.weights, target.cfg)
+    assert drafter.weights.vocab_ids.shape == (512,)  # the run's draft vocabulary
+    prompts = [target.tokenizer.chat_prompt_ids(p) for p in ("Hello!", "Write a function that adds two numbers.")]
+    expected = [c.output_ids for c in generate(target.weights, target.cfg, prompts, max_new_tokens=16).completions]
+    result = speculative.generate(
+        target.weights, target.cfg, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=16
+    )
+    assert [c.output_ids for c in result.completions] == expected
+
+
 def _snapshot(folder: Path) -> dict:
     return {
         str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes())

@@ -36,7 +36,7 @@ def main(port: int, num_processes: int, process_id: int, run_dir: str) -> None:
     _, trainer, source = train_tiny.build(mesh_axes=mesh)
     losses = []
     state = train(trainer, source, Path(run_dir), on_step=lambda step, host: losses.append(host["loss"]), stop_after=3)
-    head = trainer.export_head(state)  # gathered to every host
+    head = trainer.export(state)  # gathered to every host
     print("losses", json.dumps(losses), flush=True)
     print("head", json.dumps([float(head.q[...].sum()), float(abs(head.lm_head[...]).sum())]), flush=True)
     if num_processes > 1:

@@ -73,6 +73,7 @@ def build(overrides: Sequence[str] = (), mesh_axes: dict | None = None, devices=
     from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
     from specjax.sharding import make_mesh
     from train.batches import BatchSource, pack
+    from train.drafts import Eagle3Training
     from train.trainer import Trainer
     from train.vocab import draft_vocab
 
@@ -93,7 +94,7 @@ def build(overrides: Sequence[str] = (), mesh_axes: dict | None = None, devices=
     head.t2d[...] = jnp.asarray(t2d)
     axes = mesh_axes or {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
     mesh = make_mesh(axes, devices)
-    trainer = Trainer(cfg, target_cfg, weights, head, mesh)
+    trainer = Trainer(cfg, target_cfg, weights, Eagle3Training(head, target_cfg, cfg.training), mesh)
     source = BatchSource(pack(data, cfg.training.seq_len), cfg.training.batch_size, cfg.training.seed)
     return cfg, trainer, source
 

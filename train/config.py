@@ -21,12 +21,25 @@ from specjax.errors import InputError
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     target: str = "smollm2-135m"  # built-in name, .gguf file or HF folder
-    # Target layers whose *input* residual stream feeds the head; None = (2, N//2, N-3), the EAGLE-3 default.
+    drafter: str = "eagle3"  # what to train: "eagle3" (a head, exported as LlamaForCausalLMEagle3) or "dflash"
+    # Target layers whose *input* residual stream feeds the draft. None: (2, N//2, N-3), the EAGLE-3 default; for
+    # DFlash, one layer per draft layer spread over the target (docs/dflash.md), i.e. its target_layer_ids + 1.
     tap_layers: tuple[int, ...] | None = None
     draft_vocab_size: int = 8192
     intermediate_size: int | None = None  # head MLP width; None = the target's
     norm_output: bool = False  # EAGLE-3.1: the next draft step reads the post-norm output
     norm_before_residual: bool = False  # the midlayer's residual is hidden_norm(g) (vLLM speculators' variant)
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashSection:
+    """The DFlash draft and its loss (docs/dflash.md); read when model.drafter is "dflash"."""
+
+    block_size: int = 8  # Bs: the anchor and Bs - 1 mask tokens, so at most Bs - 1 drafts a round
+    num_layers: int = 1  # draft decoder layers (shaped like the target's)
+    mask_token_id: int | None = None  # a token the target never writes (e.g. an unused special token); required
+    num_anchors: int = 64  # blocks per training row (anchors drawn anew every step)
+    gamma: float | None = None  # position weight exp(-(k-1)/gamma); None: 7 for Bs >= 16, 4 for Bs <= 8, else 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +93,9 @@ class TrainingSection:
     batch_size: int = 8  # sequences per step (global, over all devices)
     seq_len: int = 512  # samples are packed into rows of this many tokens (longer ones truncated)
     features: str = "stored"  # target features: "stored" (computed once by the features stage) or "online" (per step)
+    # Where the stored features live; None: output_dir/features. Runs on the same data with the same taps (e.g. an
+    # EAGLE-3 and a DFlash draft) can share one folder: its manifest names the rows and layers it holds.
+    features_dir: str | None = None
     learning_rate: float = 1e-3
     warmup_steps: int = 50
     final_lr_ratio: float = 0.05  # cosine decay to learning_rate * this
@@ -132,6 +148,7 @@ class DistributedSection:
 class TrainConfig:
     output_dir: str = "runs/eagle3"
     model: ModelSection = ModelSection()
+    dflash: DFlashSection = DFlashSection()
     synthesize: SynthesizeSection = SynthesizeSection()
     data: DataSection = DataSection()
     training: TrainingSection = TrainingSection()
@@ -153,6 +170,12 @@ class TrainConfig:
         unknown_sets = sorted(set(self.evaluation.sets) - {"heldout", "chat", "humaneval"})
         if unknown_sets or not self.evaluation.sets:
             raise InputError(f"evaluation.sets must name some of heldout, chat, humaneval; got {self.evaluation.sets}")
+        if self.model.drafter not in ("eagle3", "dflash"):
+            raise InputError(f"model.drafter must be 'eagle3' or 'dflash', got {self.model.drafter!r}")
+        if self.model.drafter == "dflash" and self.dflash.mask_token_id is None:
+            raise InputError(
+                "dflash.mask_token_id is required: a token id the target never writes (an unused special token)"
+            )
         if self.training.features not in ("stored", "online"):
             raise InputError(f"training.features must be 'stored' or 'online', got {self.training.features!r}")
 
@@ -170,6 +193,7 @@ class TrainConfig:
 
 # Every numeric key and its range (None is allowed where the key is optional). NaN fails every rule.
 _RULES = {
+    ">= 2": lambda v: v >= 2,
     ">= 1": lambda v: v >= 1,
     ">= 0": lambda v: v >= 0,
     "> 0": lambda v: v > 0,
@@ -177,20 +201,21 @@ _RULES = {
     "in [0, 1]": lambda v: 0 <= v <= 1,
 }
 _RANGES = {
+    ">= 2": ("dflash.block_size",),
     ">= 1": (
         "data.num_prompts", "data.max_prompt_tokens", "data.max_new_tokens", "data.batch_size",
         "model.draft_vocab_size", "synthesize.max_tokens", "synthesize.batch_size", "synthesize.max_generations",
         "training.steps", "training.batch_size", "training.seq_len", "training.ttt_length", "training.stop_after",
         "evaluation.num_prompts", "evaluation.max_new_tokens", "evaluation.batch_size",
-        "checkpoint.every", "checkpoint.keep", "logging.every",
+        "checkpoint.every", "checkpoint.keep", "logging.every", "dflash.num_layers", "dflash.num_anchors",
     ),
     ">= 0": (
         "synthesize.num_prompts", "synthesize.min_tokens", "data.eval_prompts", "data.samples_per_prompt",
-        "data.source_tokens", "training.warmup_steps", "training.weight_decay",
+        "data.source_tokens", "training.warmup_steps", "training.weight_decay", "dflash.mask_token_id",
     ),
     "> 0": (
         "synthesize.temperature", "data.sample_temperature", "training.learning_rate", "training.grad_clip",
-        "training.epochs",
+        "training.epochs", "dflash.gamma",
     ),
     "in (0, 1]": ("synthesize.top_p", "synthesize.dedup_threshold", "data.sample_top_p", "training.step_decay"),
     "in [0, 1]": ("training.final_lr_ratio",),

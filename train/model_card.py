@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from train.config import TrainConfig, config_to_dict
+from train.dflash_loss import default_gamma
 
 
 def _last_metrics(path: Path, lines: int = 5) -> list[dict]:
@@ -15,27 +16,69 @@ def _last_metrics(path: Path, lines: int = 5) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()[-lines:]] if path.exists() else []
 
 
-def model_card(
-    cfg: TrainConfig, head_cfg, manifest: dict, synthetic: dict | None, coverage: float | None, evaluation: dict | None
-) -> str:
-    """Markdown model card of an exported EAGLE-3 head (`synthetic`: the synthesize stage's manifest, if any)."""
-    last = _last_metrics(cfg.output_path / "train" / "metrics.jsonl")
-    acc = ", ".join(f"{sum(a) / len(a):.3f}" for a in zip(*(m["acc_k"] for m in last))) if last else "n/a"
-    steps = last[-1]["step"] if last else 0
-    lines = [
+def _draft_lines(cfg: TrainConfig, draft_cfg, coverage: float | None) -> list[str]:
+    """Title, layout and shape of the exported draft."""
+    covers = f" (covers {coverage:.2%} of the tokens the target wrote)" if coverage is not None else ""
+    taps = (
+        f"- taps: the residual stream entering target layers {list(draft_cfg.tap_layers)} "
+        f"(outputs of layers {[t - 1 for t in draft_cfg.tap_layers]})"
+    )
+    if cfg.model.drafter == "dflash":
+        d = draft_cfg
+        return [
+            f"# DFlash draft for `{cfg.model.target}`",
+            "",
+            "Trained with specjax (`specjax-train`). Layout: the published DFlash draft (config.json with",
+            "`dflash_config` + model.safetensors with `fc`, `hidden_norm`, `layers.*`, `norm`), plus specjax's",
+            "`vocab_ids` (the draft vocabulary) when it scores fewer tokens than the target's.",
+            "",
+            "## Draft",
+            f"- {d.num_layers} decoder layer(s), hidden {d.hidden_size}, {d.num_heads} heads / {d.num_kv_heads} KV "
+            f"heads, MLP {d.intermediate_size}; block size {d.block_size} (up to {d.max_drafts} drafts a round), mask "
+            f"token {d.mask_token_id}",
+            f"- draft vocabulary {cfg.model.draft_vocab_size} of {d.vocab_size}{covers}",
+            taps,
+            "- the token embedding and LM head are the target's (not stored)",
+            "",
+        ]
+    return [
         f"# EAGLE-3 draft head for `{cfg.model.target}`",
         "",
         "Trained with specjax (`specjax-train`). Layout: `LlamaForCausalLMEagle3` (config.json + model.safetensors",
         "with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), readable by vLLM, SGLang and the EAGLE repository.",
         "",
         "## Head",
-        f"- hidden {head_cfg.hidden_size}, {head_cfg.num_heads} heads / {head_cfg.num_kv_heads} KV heads, MLP "
-        f"{head_cfg.intermediate_size}, draft vocabulary {head_cfg.draft_vocab_size} of {head_cfg.vocab_size}"
-        + (f" (covers {coverage:.2%} of the tokens the target wrote)" if coverage is not None else ""),
-        f"- taps: the residual stream entering target layers {list(head_cfg.tap_layers)} "
-        f"(outputs of layers {[t - 1 for t in head_cfg.tap_layers]})",
+        f"- hidden {draft_cfg.hidden_size}, {draft_cfg.num_heads} heads / {draft_cfg.num_kv_heads} KV heads, MLP "
+        f"{draft_cfg.intermediate_size}, draft vocabulary {draft_cfg.draft_vocab_size} of {draft_cfg.vocab_size}"
+        + covers,
+        taps,
         "- the token embedding is the target's (not stored)",
         "",
+    ]
+
+
+def _objective(cfg: TrainConfig) -> str:
+    t = cfg.training
+    if cfg.model.drafter == "dflash":
+        d = cfg.dflash
+        gamma = d.gamma or default_gamma(d.block_size)
+        return (
+            f"block loss over {d.num_anchors} random anchors per row (position weights exp(-(k-1)/{gamma:g})), "
+            "labels the target's own tokens"
+        )
+    return f"training-time test over {t.ttt_length} steps (loss weights {t.step_decay}^k)"
+
+
+def model_card(
+    cfg: TrainConfig, draft_cfg, manifest: dict, synthetic: dict | None, coverage: float | None, evaluation: dict | None
+) -> str:
+    """Markdown model card of an exported draft (`synthetic`: the synthesize stage's manifest, if any)."""
+    last = _last_metrics(cfg.output_path / "train" / "metrics.jsonl")
+    acc = ", ".join(f"{sum(a) / len(a):.3f}" for a in zip(*(m["acc_k"] for m in last))) if last else "n/a"
+    steps = last[-1]["step"] if last else 0
+    dflash = cfg.model.drafter == "dflash"
+    lines = [
+        *_draft_lines(cfg, draft_cfg, coverage),
         "## Data",
         f"- prompt sources: {', '.join(f'`{p}`' for p in cfg.data.prompt_sources)}; "
         f"{manifest.get('conversations', '?')} training conversations, {cfg.data.eval_prompts} held out, "
@@ -61,19 +104,25 @@ def model_card(
         *(
             [
                 f"- plus {manifest['source_samples']} blocks of the Python {manifest.get('python', '')} standard "
-                f"library's source ({manifest['source_tokens']} tokens) as assistant answers, labelled by the target"
+                f"library's source ({manifest['source_tokens']} tokens) as assistant answers, "
+                + ("their own tokens the labels" if dflash else "labelled by the target")
             ]
             if manifest.get("source_samples")
             else []
         ),
-        "- the loss mask is shifted together with the labels (a row counts when the token it predicts is assistant",
-        "  content); the EAGLE and SpecForge trainers leave it unshifted",
+        *(
+            []
+            if dflash
+            else [
+                "- the loss mask is shifted together with the labels (a row counts when the token it predicts is",
+                "  assistant content); the EAGLE and SpecForge trainers leave it unshifted",
+            ]
+        ),
         "",
         "## Training",
-        f"- {steps} steps of {cfg.training.batch_size} packed rows x {cfg.training.seq_len} tokens, training-time "
-        f"test over {cfg.training.ttt_length} steps (loss weights {cfg.training.step_decay}^k), target features "
-        f"{cfg.training.features}",
-        f"- final per-step accuracy (agreement with the target's argmax on assistant rows, mean of the last "
+        f"- {steps} steps of {cfg.training.batch_size} packed rows x {cfg.training.seq_len} tokens, "
+        f"{_objective(cfg)}, target features {cfg.training.features}",
+        f"- final accuracy per draft position (agreement with the target's token on assistant rows, mean of the last "
         f"{len(last)} logged steps): {acc}",
         "",
         "## Evaluation",
@@ -84,8 +133,9 @@ def model_card(
             f"{evaluation['step']}:"
         )
         for set_name, result in evaluation["sets"].items():
-            for name in ("chain", "tree"):
-                e = result[name]
+            for name, e in result.items():
+                if name == "prompts":
+                    continue
                 by_pos = ", ".join(f"{a:.2f}" for a in e["acceptance_by_position"])
                 lines.append(
                     f"- {set_name} ({result['prompts']} prompts), {name} ({e['drafts']}): mean accepted length "

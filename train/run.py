@@ -24,17 +24,20 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
 from decode.cli import read_prompts_file
 from specjax import speculative
 from specjax.defaults import EVAL_DRAFT_TOKENS, EVAL_TREE
-from specjax.drafters import Eagle3Drafter
+from specjax.drafters import DFlashDrafter, Eagle3Drafter
 from specjax.errors import InputError
 from specjax.evalsets import chat_prompts, humaneval_prompts
+from specjax.io.dflash_checkpoint import save_dflash
 from specjax.io.eagle3_checkpoint import save_eagle3
 from specjax.io.models import LoadedModel, load_model
+from specjax.models.dflash import DFlashConfig, init_dflash
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.sharding import make_mesh
 from specjax.tree import TreeSpec
@@ -42,6 +45,7 @@ from train.batches import BatchSource, pack
 from train.config import TrainConfig, config_to_dict
 from train.conversations import read_conversations
 from train.data import load_prompts, load_samples, reference_responses, regenerate
+from train.drafts import DFlashTraining, Eagle3Training
 from train.features import compute_features, feature_layers, load_features
 from train.model_card import model_card
 from train.synthesize import synthesize
@@ -52,12 +56,14 @@ STAGES = ("synthesize", "regenerate", "vocab", "features", "train", "evaluate", 
 # Sections that define what a run has already produced: a resumed run must agree on them (training.steps may grow).
 # The training sections bind only once the train stage has started.
 _DATA_SECTIONS = ("model", "data")
-# Training settings a resumed run may change: its length and the optimiser's schedule and clipping (the optimiser's
-# state carries over). Everything else in `training` and `mesh` shapes the state or the data order.
+# Training settings a resumed run may change: its length, the optimiser's schedule and clipping (the optimiser's
+# state carries over) and where the stored features are read. Everything else in `training`, `mesh` and `dflash`
+# shapes the state or the data order.
 RESUMABLE_TRAINING_KEYS = (
     "steps", "stop_after", "epochs", "learning_rate", "warmup_steps", "final_lr_ratio", "grad_clip", "weight_decay",
+    "features_dir",
 )  # fmt: skip
-_TRAIN_SECTIONS = ("training", "mesh")
+_TRAIN_SECTIONS = ("training", "mesh", "dflash")
 
 
 def maybe_initialize_distributed(cfg: TrainConfig) -> None:
@@ -103,6 +109,21 @@ def record_config(cfg: TrainConfig) -> None:
     path.write_text(text)
 
 
+def dflash_config(cfg: TrainConfig, model: LoadedModel) -> DFlashConfig:
+    d = cfg.dflash
+    ids = None if cfg.model.tap_layers is None else tuple(t - 1 for t in cfg.model.tap_layers)
+    draft = DFlashConfig.default_for(
+        model.cfg, d.mask_token_id, num_layers=d.num_layers, block_size=d.block_size, target_layer_ids=ids
+    )
+    draft.check_target(model.cfg)
+    return draft
+
+
+def draft_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config | DFlashConfig:
+    """The shape of the draft the run trains, checked against the target."""
+    return dflash_config(cfg, model) if cfg.model.drafter == "dflash" else head_config(cfg, model)
+
+
 def head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
     base = Eagle3Config.default_for(model.cfg, cfg.model.draft_vocab_size)
     overrides = {"norm_output": cfg.model.norm_output, "norm_before_residual": cfg.model.norm_before_residual}
@@ -126,7 +147,7 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
         for source in cfg.data.prompt_sources:
             if source not in ("builtin", "synthetic"):
                 read_conversations(Path(source))  # a missing or malformed prompts file
-    head_config(cfg, model)  # tap layers / vocabulary sizes against the target, before any stage runs
+    draft_config(cfg, model)  # tap layers / vocabulary sizes against the target, before any stage runs
     if {"train", "evaluate", "export"} & set(stages):
         mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
         replicas = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -201,27 +222,44 @@ def stage_features(cfg: TrainConfig, model: LoadedModel) -> None:
         print("skipped: training.features=online computes them in every step", file=sys.stderr)
         return
     rows = packed_rows(cfg)
-    layers = feature_layers(head_config(cfg, model).tap_layers, model.cfg)
-    compute_features(model.weights, model.cfg, layers, rows, cfg.output_path / "features")
+    layers = feature_layers(draft_config(cfg, model).tap_layers, model.cfg)
+    compute_features(model.weights, model.cfg, layers, rows, features_dir(cfg))
+
+
+def features_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.training.features_dir) if cfg.training.features_dir else cfg.output_path / "features"
 
 
 def build_trainer(cfg: TrainConfig, model: LoadedModel) -> Trainer:
     d2t, t2d = load_vocab(cfg.output_path / "vocab.npz")
-    head_cfg = head_config(cfg, model)
-    head = Eagle3Head(head_cfg, rngs=nnx.Rngs(cfg.training.seed))
-    head.d2t[...] = jnp.asarray(d2t, jnp.int32)
-    head.t2d[...] = jnp.asarray(t2d)
+    seed = cfg.training.seed
+    if cfg.model.drafter == "dflash":
+        draft_cfg = dflash_config(cfg, model)
+        weights = init_dflash(draft_cfg, jax.random.key(seed))
+        draft = DFlashTraining(draft_cfg, weights, np.flatnonzero(t2d), model.cfg, cfg.dflash, seed)
+    else:
+        head = Eagle3Head(head_config(cfg, model), rngs=nnx.Rngs(seed))
+        head.d2t[...] = jnp.asarray(d2t, jnp.int32)
+        head.t2d[...] = jnp.asarray(t2d)
+        draft = Eagle3Training(head, model.cfg, cfg.training)
     mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
-    return Trainer(cfg, model.cfg, model.weights, head, mesh)
+    return Trainer(cfg, model.cfg, model.weights, draft, mesh)
 
 
 def stage_train(cfg: TrainConfig, model: LoadedModel) -> None:
     t = cfg.training
     if t.features == "stored":
-        layers = feature_layers(head_config(cfg, model).tap_layers, model.cfg)
-        rows = load_features(cfg.output_path / "features", layers, t.seq_len)
+        layers = feature_layers(draft_config(cfg, model).tap_layers, model.cfg)
+        rows = load_features(features_dir(cfg), layers, t.seq_len)
     else:
         rows = packed_rows(cfg)
+    if cfg.model.drafter == "dflash":
+        written = np.count_nonzero(rows["tokens"][rows["loss_mask"] > 0] == cfg.dflash.mask_token_id)
+        if written:
+            raise InputError(
+                f"dflash.mask_token_id {cfg.dflash.mask_token_id} occurs {written} times in the responses; choose a "
+                "token the target never writes (an unused special token)"
+            )
     if t.epochs is not None:
         steps = max(1, math.ceil(t.epochs * len(rows["tokens"]) / t.batch_size))
         print(f"training.epochs={t.epochs}: {steps} steps over {len(rows['tokens'])} rows", file=sys.stderr)
@@ -236,43 +274,63 @@ def evaluation_set(cfg: TrainConfig, name: str) -> list[str]:
     return chat_prompts() if name == "chat" else humaneval_prompts()
 
 
+def trained_draft(cfg: TrainConfig, model: LoadedModel):
+    """The draft of the latest intact checkpoint, gathered to host memory (`Trainer.export`): an Eagle3Head, or a
+    DFlash (config, weights) pair."""
+    trainer = build_trainer(cfg, model)
+    manager = checkpoint_manager(trainer, cfg.output_path / "train")
+    try:
+        state = restore_latest(trainer, manager)
+    finally:
+        manager.close()
+    if int(state["step"]) == 0:
+        raise InputError(f"{cfg.output_dir}/train holds no checkpoint; run the train stage first")
+    return int(state["step"]), trainer.export(state)  # every process takes part in the gather
+
+
+def evaluation_drafters(cfg: TrainConfig, model: LoadedModel, draft) -> list[tuple[str, str, object, int]]:
+    """(name, description, drafter, K) of each drafting mode the evaluate stage measures."""
+    if cfg.model.drafter == "dflash":
+        draft_cfg, weights = draft
+        drafter = DFlashDrafter.for_target(weights, draft_cfg, model.weights)
+        return [("chain", f"block of {draft_cfg.block_size}, K={draft_cfg.max_drafts}", drafter, draft_cfg.max_drafts)]
+    return [
+        ("chain", f"K={EVAL_DRAFT_TOKENS}", Eagle3Drafter.create(draft, model.weights.embed, None), EVAL_DRAFT_TOKENS),
+        ("tree", f"tree {EVAL_TREE}", Eagle3Drafter.create(draft, model.weights.embed, TreeSpec.parse(EVAL_TREE)),
+         EVAL_DRAFT_TOKENS),
+    ]  # fmt: skip
+
+
 def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
     """Mean accepted length (tokens per target forward, bonus included) of the latest checkpoint on each evaluation
-    set, by greedy speculative decoding with chain (K = EVAL_DRAFT_TOKENS) and tree (EVAL_TREE) drafting; written to
-    eval.json.
+    set, by greedy speculative decoding (EAGLE-3: chain with K = EVAL_DRAFT_TOKENS and tree EVAL_TREE; DFlash: the
+    whole block); written to eval.json.
 
     Prompts run `evaluation.batch_size` at a time, in order of length (one compilation per padded length). Each row
     drafts, verifies and accepts on its own, and the histogram counts row-rounds, so the figures are those of
     decoding each prompt alone."""
-    trainer = build_trainer(cfg, model)
-    manager = checkpoint_manager(trainer, cfg.output_path / "train")
-    state = restore_latest(trainer, manager)
-    manager.close()
-    if int(state["step"]) == 0:
-        raise InputError(f"{cfg.output_dir}/train holds no checkpoint; run the train stage first")
-    head = trainer.export_head(state)
+    step, draft = trained_draft(cfg, model)
     eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(model.tokenizer.eos_token_ids)))
     max_new = cfg.evaluation.max_new_tokens or cfg.data.max_new_tokens
     size = cfg.evaluation.batch_size
-    report = {"step": int(state["step"]), "max_new_tokens": max_new, "sets": {}}
+    report = {"step": step, "max_new_tokens": max_new, "sets": {}}
     for set_name in cfg.evaluation.sets:
         prompts = evaluation_set(cfg, set_name)[: cfg.evaluation.num_prompts]
         ids = sorted((model.tokenizer.chat_prompt_ids(p) for p in prompts), key=len)
         batches = [ids[i : i + size] for i in range(0, len(ids), size)]
         result = {"prompts": len(ids)}
-        for name, tree in (("chain", None), ("tree", TreeSpec.parse(EVAL_TREE))):
-            drafter = Eagle3Drafter.create(head, model.weights.embed, tree)
+        for name, description, drafter, k in evaluation_drafters(cfg, model, draft):
             hist = None
             for batch in tqdm(batches, desc=f"evaluate {set_name} {name}", unit="batch", file=sys.stderr):
                 out = speculative.generate(
-                    model.weights, model.cfg, batch, drafter=drafter, num_draft_tokens=EVAL_DRAFT_TOKENS,
+                    model.weights, model.cfg, batch, drafter=drafter, num_draft_tokens=k,
                     max_new_tokens=max_new, eos_ids=eos, batch_size=size,
                 )  # fmt: skip
                 h = out.stats.accepted_histogram
                 hist = h if hist is None else [a + b for a, b in zip(hist, h)]
             stats = speculative.SpecStats.from_histogram(sum(hist), hist, 0, 1.0)
             result[name] = {
-                "drafts": f"K={EVAL_DRAFT_TOKENS}" if tree is None else f"tree {EVAL_TREE}",
+                "drafts": description,
                 "mean_accepted": stats.mean_accepted,
                 "acceptance_by_position": stats.acceptance_by_position,
             }
@@ -284,18 +342,15 @@ def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
 
 
 def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
-    trainer = build_trainer(cfg, model)
-    manager = checkpoint_manager(trainer, cfg.output_path / "train")
-    try:
-        state = restore_latest(trainer, manager)
-    finally:
-        manager.close()
-    if int(state["step"]) == 0:
-        raise InputError(f"{cfg.output_dir}/train holds no checkpoint; run the train stage first")
-    head = trainer.export_head(state)  # every process takes part in the gather
+    _, draft = trained_draft(cfg, model)
     folder = cfg.output_path / "export"
     if jax.process_index() == 0:  # one writer
-        save_eagle3(folder, head.cfg, head, dtype=jnp.bfloat16)
+        if cfg.model.drafter == "dflash":
+            draft_cfg, weights = draft
+            save_dflash(folder, draft_cfg, weights, dtype=jnp.bfloat16)
+        else:
+            draft_cfg = draft.cfg
+            save_eagle3(folder, draft_cfg, draft, dtype=jnp.bfloat16)
         out = cfg.output_path
         manifest = json.loads((out / "data" / "manifest.json").read_text())
         vocab = out / "vocab.json"
@@ -303,7 +358,7 @@ def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
         evaluation = json.loads((out / "eval.json").read_text()) if (out / "eval.json").exists() else None
         synth = out / "prompts" / "manifest.json"
         synthetic = json.loads(synth.read_text()) if synth.exists() else None
-        (folder / "README.md").write_text(model_card(cfg, head.cfg, manifest, synthetic, coverage, evaluation))
+        (folder / "README.md").write_text(model_card(cfg, draft_cfg, manifest, synthetic, coverage, evaluation))
     return folder
 
 

@@ -1,9 +1,11 @@
-"""Stage 4 (train): the sharded, jitted TTT step, orbax checkpoints, exact resume, metrics.
+"""Stage 4 (train): the sharded, jitted step of a draft's loss (train/drafts.py), orbax checkpoints, exact resume,
+metrics.
 
 The step reads the target's features from the batch (stored by the features stage), or with `training.features:
-online` runs the frozen target itself. Target weights, head weights, optimizer state and batches all carry
+online` runs the frozen target itself. Target weights, draft weights, optimizer state and batches all carry
 NamedShardings on one mesh (axes data / fsdp / tensor); the step is `jax.jit` with in/out shardings. Everything a
-run depends on is a function of (config, step), so resuming from a checkpoint continues bit for bit.
+run depends on (the batch, a DFlash step's anchors) is a function of (config, step), so resuming from a checkpoint
+continues bit for bit.
 """
 
 from __future__ import annotations
@@ -21,19 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from flax import nnx
 from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from specjax.errors import CheckpointError, SpecjaxError
-from specjax.models.eagle3 import Eagle3Head, param_specs
-from specjax.models.llama import ArraySpec, Weights, lm_logits, weight_specs
+from specjax.models.llama import ArraySpec, Weights, weight_specs
 from specjax.sharding import DEFAULT_RULES, partition_spec
 from train.batches import ROW_KEYS, BatchSource
 from train.config import TrainConfig
 from train.features import feature_layers, target_features
-from train.ttt import ttt_loss
 
 # Training adds FSDP: weights' model dimension over "fsdp", batches over data x fsdp.
 TRAIN_RULES = (
@@ -77,14 +76,13 @@ def to_global(host: np.ndarray | jax.Array, sharding: NamedSharding) -> jax.Arra
 
 
 class Trainer:
-    """Owns the mesh placement and the compiled step of one training run."""
+    """Owns the mesh placement and the compiled step of one training run of a draft (train/drafts.py)."""
 
-    def __init__(self, cfg: TrainConfig, target_cfg, target_weights: Weights, head: Eagle3Head, mesh: Mesh):
-        self.cfg, self.target_cfg, self.mesh = cfg, target_cfg, mesh
-        self.feature_layers = feature_layers(head.cfg.tap_layers, target_cfg)
+    def __init__(self, cfg: TrainConfig, target_cfg, target_weights: Weights, draft, mesh: Mesh):
+        self.cfg, self.target_cfg, self.draft, self.mesh = cfg, target_cfg, draft, mesh
+        self.feature_layers = feature_layers(draft.tap_layers, target_cfg)
         self.batch_keys = (*ROW_KEYS, "features") if cfg.training.features == "stored" else ROW_KEYS
         self.optimizer = make_optimizer(cfg)
-        self.graphdef, params, self.buffers = nnx.split(head, nnx.Param, ...)
 
         def shard(specs):
             return jax.tree.map(
@@ -95,8 +93,7 @@ class Trainer:
 
         target_shardings = shard(weight_specs(target_cfg))
         self.target_weights = jax.tree.map(to_global, target_weights, target_shardings)
-        head_shardings = shard(param_specs(head.cfg))
-        params = jax.tree_util.tree_map_with_path(lambda path, p: to_global(p, head_shardings[path[0].key]), params)
+        params = jax.tree.map(to_global, draft.params, shard(draft.specs()))
         self.batch_sharding = NamedSharding(mesh, partition_spec(("batch", None), (cfg.training.batch_size, 1), mesh,
                                                                  TRAIN_RULES))  # fmt: skip
         # Every leaf of the state lives on the mesh: Adam's moments shaped and sharded like the weights, scalars
@@ -121,28 +118,18 @@ class Trainer:
             donate_argnums=0,
         )
 
-    def head(self, params: nnx.State) -> Eagle3Head:
-        """The head with the given trainable weights."""
-        return nnx.merge(self.graphdef, params, self.buffers)
-
-    def loss(self, params: nnx.State, target_weights: Weights, batch: dict, attention=None):
-        """TTT loss and metrics of one batch (stored features, or the frozen target run here)."""
-        head = self.head(params)
+    def loss(self, params, target_weights: Weights, batch: dict, step: jax.Array):
+        """The draft's loss and metrics of one batch (stored features, or the frozen target run here)."""
         rows = {k: batch[k] for k in ROW_KEYS}
         if "features" in batch:
             features = batch["features"].astype(target_weights.embed.dtype)
         else:
             features = target_features(target_weights, self.target_cfg, self.feature_layers, rows)
-        D = self.target_cfg.hidden_size
-        logits = lm_logits(target_weights, self.target_cfg, features[..., -D:], head.target_ids_of_draft_vocab())
-        t = self.cfg.training
-        kwargs = {} if attention is None else {"attention": attention}
-        return ttt_loss(head, target_weights.embed, rows, features[..., :-D], logits, t.ttt_length, t.step_decay,
-                        **kwargs)  # fmt: skip
+        return self.draft.loss(params, target_weights, rows, features, step)
 
     def _train_step(self, state: dict, target_weights: Weights, batch: dict):
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
-        (loss, aux), grads = grad_fn(state["params"], target_weights, batch)
+        (loss, aux), grads = grad_fn(state["params"], target_weights, batch, state["step"])
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(params)]))
@@ -153,10 +140,10 @@ class Trainer:
         placed = {k: to_global(v, self.batch_sharding) for k, v in batch.items()}
         return self._step(state, self.target_weights, placed)
 
-    def export_head(self, state: dict) -> Eagle3Head:
-        """The head with the trained weights, gathered to host memory."""
+    def export(self, state: dict):
+        """The trained draft (`draft.export` of the weights), gathered to host memory."""
         # process_allgather: on several hosts, a sharded weight is not all addressable from one process.
-        return self.head(jax.tree.map(lambda x: jnp.asarray(process_allgather(x, tiled=True)), state["params"]))
+        return self.draft.export(jax.tree.map(lambda x: jnp.asarray(process_allgather(x, tiled=True)), state["params"]))
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
