@@ -18,7 +18,7 @@ from flax import nnx
 from specjax.config import ModelConfig
 from specjax.models.dflash import DFlashConfig, DFlashWeights, weight_specs_of
 from specjax.models.eagle3 import Eagle3Head, param_specs
-from specjax.models.llama import Weights, lm_logits
+from specjax.models.llama import Weights, head_rows, lm_logits
 from train.config import DFlashSection, TrainingSection
 from train.dflash_loss import block_loss, default_gamma, pick_anchors
 from train.ttt import ttt_loss
@@ -80,10 +80,9 @@ class DFlashTraining:
     def loss(self, params: DFlashWeights, target_weights: Weights, rows: dict, features: jax.Array, step: jax.Array):
         D = self.target_cfg.hidden_size
         w = dataclasses.replace(params, vocab_ids=None if self.vocab_ids is None else jnp.asarray(self.vocab_ids))
-        head_vd = target_weights.embed if target_weights.lm_head is None else target_weights.lm_head.T
         anchors, ok = pick_anchors(rows, jax.random.fold_in(jax.random.key(self.seed), step), self.section.num_anchors)
-        return block_loss(w, self.cfg, target_weights.embed, head_vd, jnp.asarray(self.draft_index), rows,
-                          features[..., :-D], anchors, ok, self.gamma)  # fmt: skip
+        return block_loss(w, self.cfg, target_weights.embed, head_rows(target_weights), jnp.asarray(self.draft_index),
+                          rows, features[..., :-D], anchors, ok, self.gamma)  # fmt: skip
 
     def export(self, params: DFlashWeights) -> tuple[DFlashConfig, DFlashWeights]:
         ids = None if self.vocab_ids is None else jnp.asarray(self.vocab_ids)

@@ -29,6 +29,7 @@ from specjax.models.dflash import (
     draft_logits,
     to_target_vocab,
 )
+from specjax.models.llama import head_rows
 
 
 @jax.tree_util.register_dataclass
@@ -44,8 +45,7 @@ class DFlashDrafter(BaseDrafter):
     @classmethod
     def for_target(cls, weights: DFlashWeights, cfg: DFlashConfig, target) -> DFlashDrafter:
         """The drafter over a target's `specjax.models.llama.Weights` (its embedding and LM head, shared)."""
-        head_vd = target.embed if target.lm_head is None else target.lm_head.T
-        return cls(weights, target.embed, head_vd, cfg)
+        return cls(weights, target.embed, head_rows(target), cfg)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:

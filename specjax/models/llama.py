@@ -424,11 +424,16 @@ def forward(
     return logits, taps_out, cache
 
 
+def head_rows(weights: Weights) -> jax.Array:
+    """The LM head as [V, D] rows (the embedding when tied)."""
+    return weights.embed if weights.lm_head is None else weights.lm_head.T
+
+
 def lm_logits(weights: Weights, cfg: ModelConfig, x_btd: jax.Array, vocab_ids: jax.Array | None = None) -> jax.Array:
     """Final norm and LM head (tied or untied), float32 logits [B, T, V], or [B, T, len(vocab_ids)] over only the
     given token ids (a draft vocabulary)."""
     h = rms_norm(x_btd, weights.final_norm, cfg.rms_norm_eps)
-    head_vd = weights.embed if weights.lm_head is None else weights.lm_head.T
+    head_vd = head_rows(weights)
     if vocab_ids is not None:
         head_vd = head_vd[vocab_ids]
     return jnp.einsum("btd,vd->btv", h, head_vd, preferred_element_type=jnp.float32)
