@@ -18,10 +18,11 @@ sys.path.insert(0, str(ROOT))
 from test_dflash import CFG, TARGET, random_draft  # noqa: E402
 
 from specjax.io.dflash_checkpoint import save_dflash  # noqa: E402
-from train.dflash_loss import block_loss, default_gamma, pick_anchors  # noqa: E402
+from train.config import DFlashSection  # noqa: E402
+from train.dflash_loss import block_loss, pick_anchors  # noqa: E402
 
 T = 12
-GAMMA = default_gamma(CFG.block_size)
+GAMMA = DFlashSection(block_size=CFG.block_size).loss_decay
 HEAD_VD = TARGET.lm_head.T
 
 

@@ -39,7 +39,14 @@ class DFlashSection:
     num_layers: int = 1  # draft decoder layers (shaped like the target's)
     mask_token_id: int | None = None  # a token the target never writes (e.g. an unused special token); required
     num_anchors: int = 64  # blocks per training row (anchors drawn anew every step)
-    gamma: float | None = None  # position weight exp(-(k-1)/gamma); None: 7 for Bs >= 16, 4 for Bs <= 8, else 5
+    gamma: float | None = None  # position weight exp(-(k-1)/gamma); None: `loss_decay`'s default
+
+    @property
+    def loss_decay(self) -> float:
+        """gamma, or the default of docs/dflash.md: 7 for 16-row blocks, 4 for 8 rows or fewer, 5 between."""
+        if self.gamma is not None:
+            return self.gamma
+        return 7.0 if self.block_size >= 16 else 4.0 if self.block_size <= 8 else 5.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,11 +16,6 @@ import jax.numpy as jnp
 from specjax.models.dflash import DFlashConfig, DFlashWeights, block_hidden, block_inputs, context_kv, draft_logits
 
 
-def default_gamma(block_size: int) -> float:
-    """The loss decay of docs/dflash.md: 7 for 16-row blocks, 4 for 8 rows or fewer, 5 between."""
-    return 7.0 if block_size >= 16 else 4.0 if block_size <= 8 else 5.0
-
-
 def pick_anchors(rows: dict[str, jax.Array], key: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
     """Up to `num_anchors` anchors per row, uniformly without replacement among the valid positions.
 

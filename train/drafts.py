@@ -20,7 +20,7 @@ from specjax.models.dflash import DFlashConfig, DFlashWeights, weight_specs_of
 from specjax.models.eagle3 import Eagle3Head, param_specs
 from specjax.models.llama import Weights, head_rows, lm_logits
 from train.config import DFlashSection, TrainingSection
-from train.dflash_loss import block_loss, default_gamma, pick_anchors
+from train.dflash_loss import block_loss, pick_anchors
 from train.ttt import ttt_loss
 
 
@@ -72,7 +72,6 @@ class DFlashTraining:
             index[self.vocab_ids] = np.arange(len(self.vocab_ids), dtype=np.int32)
         self.draft_index = index
         self.tap_layers = cfg.tap_layers
-        self.gamma = section.gamma or default_gamma(cfg.block_size)
 
     def specs(self) -> DFlashWeights:
         return weight_specs_of(self.cfg)
@@ -82,7 +81,7 @@ class DFlashTraining:
         w = dataclasses.replace(params, vocab_ids=None if self.vocab_ids is None else jnp.asarray(self.vocab_ids))
         anchors, ok = pick_anchors(rows, jax.random.fold_in(jax.random.key(self.seed), step), self.section.num_anchors)
         return block_loss(w, self.cfg, target_weights.embed, head_rows(target_weights), jnp.asarray(self.draft_index),
-                          rows, features[..., :-D], anchors, ok, self.gamma)  # fmt: skip
+                          rows, features[..., :-D], anchors, ok, self.section.loss_decay)  # fmt: skip
 
     def export(self, params: DFlashWeights) -> tuple[DFlashConfig, DFlashWeights]:
         ids = None if self.vocab_ids is None else jnp.asarray(self.vocab_ids)

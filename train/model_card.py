@@ -8,7 +8,6 @@ from pathlib import Path
 import yaml
 
 from train.config import TrainConfig, config_to_dict
-from train.dflash_loss import default_gamma
 
 
 def _last_metrics(path: Path, lines: int = 5) -> list[dict]:
@@ -61,9 +60,8 @@ def _objective(cfg: TrainConfig) -> str:
     t = cfg.training
     if cfg.model.drafter == "dflash":
         d = cfg.dflash
-        gamma = d.gamma or default_gamma(d.block_size)
         return (
-            f"block loss over {d.num_anchors} random anchors per row (position weights exp(-(k-1)/{gamma:g})), "
+            f"block loss over {d.num_anchors} random anchors per row (position weights exp(-(k-1)/{d.loss_decay:g})), "
             "labels the target's own tokens"
         )
     return f"training-time test over {t.ttt_length} steps (loss weights {t.step_decay}^k)"
