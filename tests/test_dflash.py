@@ -173,7 +173,7 @@ def test_checkpoint_round_trip_and_published_names(tmp_path):
     with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "np") as f:
         names = set(f.keys())
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
-    assert len(names) == 3 + 11 * CFG.num_layers
+    assert len(names) == 3 + 11 * CFG.layers.num_layers
     hf = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert hf["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [0, 2]} and hf["block_size"] == 5
 

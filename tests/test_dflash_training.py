@@ -43,8 +43,8 @@ def rows_of(tokens, loss_mask, segments):
 
 def draft_index(vocab_ids):
     if vocab_ids is None:
-        return jnp.arange(CFG.vocab_size, dtype=jnp.int32)
-    return jnp.full(CFG.vocab_size, -1, jnp.int32).at[jnp.asarray(vocab_ids)].set(jnp.arange(len(vocab_ids)))
+        return jnp.arange(CFG.layers.vocab_size, dtype=jnp.int32)
+    return jnp.full(CFG.layers.vocab_size, -1, jnp.int32).at[jnp.asarray(vocab_ids)].set(jnp.arange(len(vocab_ids)))
 
 
 def loss_of(weights, rows, taps, anchors, ok):
@@ -70,7 +70,7 @@ def test_block_loss_matches_the_reference_packed_pass(tmp_path, vocab):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 7, (2, T))
     loss_mask = np.array([[0] * 3 + [1] * 9, [0] * 2 + [1] * 7 + [0] * 3])
-    taps = rng.standard_normal((2, T, len(CFG.tap_layers) * CFG.hidden_size)).astype(np.float32)
+    taps = rng.standard_normal((2, T, len(CFG.tap_layers) * CFG.layers.hidden_size)).astype(np.float32)
     anchors = np.array([[3, 7, 10], [2, 5, 4]])
     ok = np.array([[True, True, True], [True, True, False]])
     loss, aux = loss_of(weights, rows_of(tokens, loss_mask, np.ones((2, T))), jnp.asarray(taps), anchors, ok)
@@ -78,7 +78,7 @@ def test_block_loss_matches_the_reference_packed_pass(tmp_path, vocab):
     embed, head = (torch.from_numpy(np.array(w)) for w in (TARGET.embed, HEAD_VD))
     logits = packed_forward(ref_weights, ref_config, embed, head, torch.from_numpy(taps), torch.from_numpy(tokens),
                             torch.from_numpy(anchors))  # fmt: skip
-    ids = list(range(CFG.vocab_size)) if vocab is None else vocab
+    ids = list(range(CFG.layers.vocab_size)) if vocab is None else vocab
     logp = torch.log_softmax(logits[..., ids].double(), -1).numpy()
     w = loss_weights(CFG.block_size, GAMMA).numpy()
     total = weight = 0.0
@@ -102,7 +102,7 @@ def test_a_packed_row_scores_like_its_samples_alone():
     a_len, b_len = 7, 5
     tokens = rng.integers(0, 7, a_len + b_len)
     mask = np.r_[[0, 0], np.ones(a_len - 2), [0], np.ones(b_len - 1)].astype(int)
-    taps = rng.standard_normal((a_len + b_len, len(CFG.tap_layers) * CFG.hidden_size)).astype(np.float32)
+    taps = rng.standard_normal((a_len + b_len, len(CFG.tap_layers) * CFG.layers.hidden_size)).astype(np.float32)
     weights = random_draft(4)
 
     packed = rows_of(tokens[None], mask[None], [[1] * a_len + [2] * b_len])

@@ -23,7 +23,7 @@ def _draft_lines(cfg: TrainConfig, draft_cfg, coverage: float | None) -> list[st
         f"(outputs of layers {[t - 1 for t in draft_cfg.tap_layers]})"
     )
     if cfg.model.drafter == "dflash":
-        d = draft_cfg
+        d, stack = draft_cfg, draft_cfg.layers
         return [
             f"# DFlash draft for `{cfg.model.target}`",
             "",
@@ -32,10 +32,10 @@ def _draft_lines(cfg: TrainConfig, draft_cfg, coverage: float | None) -> list[st
             "`vocab_ids` (the draft vocabulary) when it scores fewer tokens than the target's.",
             "",
             "## Draft",
-            f"- {d.num_layers} decoder layer(s), hidden {d.hidden_size}, {d.num_heads} heads / {d.num_kv_heads} KV "
-            f"heads, MLP {d.intermediate_size}; block size {d.block_size} (up to {d.max_drafts} drafts a round), mask "
-            f"token {d.mask_token_id}",
-            f"- draft vocabulary {cfg.model.draft_vocab_size} of {d.vocab_size}{covers}",
+            f"- {stack.num_layers} decoder layer(s), hidden {stack.hidden_size}, {stack.num_heads} heads / "
+            f"{stack.num_kv_heads} KV heads, MLP {stack.intermediate_size}; block size {d.block_size} (up to "
+            f"{d.max_drafts} drafts a round), mask token {d.mask_token_id}",
+            f"- draft vocabulary {cfg.model.draft_vocab_size} of {stack.vocab_size}{covers}",
             taps,
             "- the token embedding and LM head are the target's (not stored)",
             "",

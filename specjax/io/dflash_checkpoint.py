@@ -36,7 +36,7 @@ def load_dflash(
         raise CheckpointError(f"{folder} is not a folder; pass a DFlash draft folder (config.json + *.safetensors)")
     cfg = DFlashConfig.from_hf(read_json(folder / "config.json"), target_cfg)
     cfg.check_target(target_cfg)
-    D, F = cfg.hidden_size, len(cfg.target_layer_ids) * target_cfg.hidden_size
+    D, F = cfg.layers.hidden_size, len(cfg.target_layer_ids) * target_cfg.hidden_size
     with open_tensors(folder) as stored:
 
         def get(name: str) -> np.ndarray:
@@ -61,12 +61,14 @@ def load_dflash(
             raise CheckpointError(f"{folder} holds NaN or infinite weights; the draft is corrupt, retrain it")
     if vocab_ids is not None and (
         vocab_ids.ndim != 1
-        or not 0 < vocab_ids.size <= cfg.vocab_size
+        or not 0 < vocab_ids.size <= cfg.layers.vocab_size
         or vocab_ids.min() < 0
-        or vocab_ids.max() >= cfg.vocab_size
+        or vocab_ids.max() >= cfg.layers.vocab_size
         or np.any(np.diff(vocab_ids) <= 0)
     ):
-        raise CheckpointError(f"{folder}: vocab_ids must be distinct ascending token ids in 0..{cfg.vocab_size - 1}")
+        raise CheckpointError(
+            f"{folder}: vocab_ids must be distinct ascending token ids in 0..{cfg.layers.vocab_size - 1}"
+        )
     weights = jax.tree.map(lambda w: jnp.asarray(w, dtype), host)
     return cfg, DFlashWeights(
         weights.fc, weights.hidden_norm, weights.layers, weights.norm,

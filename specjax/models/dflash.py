@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.config import ModelConfig, RopeScaling, rope_scaling_from_hf
+from specjax.config import ModelConfig, rope_scaling_from_hf
 from specjax.errors import CheckpointError, InputError
 from specjax.models.llama import (
     ArraySpec,
@@ -42,23 +42,13 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 @dataclasses.dataclass(frozen=True)
 class DFlashConfig:
-    """Shape of a DFlash draft and the target it serves (static)."""
+    """A DFlash draft (static): its decoder stack, its block, and the target it serves."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    layers: ModelConfig  # the decoder stack: Qwen3-style layers (q/k norms) over the target's vocabulary
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
-    vocab_size: int  # the target's
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    attention_bias: bool = False
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -76,15 +66,6 @@ class DFlashConfig:
         """K = Bs - 1: the drafts one block proposes."""
         return self.block_size - 1
 
-    @property
-    def layers(self) -> ModelConfig:
-        """The decoder stack as a Qwen3-style model config (shapes, norms and rotary settings)."""
-        return ModelConfig(
-            "qwen3", self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.rms_norm_eps, self.rope_theta, self.rope_scaling,
-            attention_bias=self.attention_bias, qk_norm=True,
-        )  # fmt: skip
-
     @classmethod
     def default_for(
         cls,
@@ -97,18 +78,20 @@ class DFlashConfig:
     ) -> DFlashConfig:
         """A draft as wide as `target`, with its attention shape and rotary settings."""
         ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
-        return cls(
-            target.hidden_size, target.intermediate_size, num_layers, target.num_heads, target.num_kv_heads,
-            target.head_dim, block_size, mask_token_id, tuple(ids), target.num_layers, target.vocab_size,
-            target.rms_norm_eps, target.rope_theta, target.rope_scaling,
+        layers = ModelConfig(
+            "qwen3", target.vocab_size, target.hidden_size, target.intermediate_size, num_layers, target.num_heads,
+            target.num_kv_heads, target.head_dim, target.rms_norm_eps, target.rope_theta, target.rope_scaling,
+            qk_norm=True,
         )  # fmt: skip
+        return cls(layers, block_size, mask_token_id, tuple(ids), target.num_layers)
 
     def check_target(self, target: ModelConfig) -> None:
         """Raises InputError when this draft cannot serve `target`."""
-        if (self.vocab_size, self.hidden_size) != (target.vocab_size, target.hidden_size):
+        layers = self.layers
+        if (layers.vocab_size, layers.hidden_size) != (target.vocab_size, target.hidden_size):
             raise InputError(
-                f"this DFlash draft was made for a target with vocabulary {self.vocab_size} and width "
-                f"{self.hidden_size}, but the target has {target.vocab_size} and {target.hidden_size}"
+                f"this DFlash draft was made for a target with vocabulary {layers.vocab_size} and width "
+                f"{layers.hidden_size}, but the target has {target.vocab_size} and {target.hidden_size}"
             )
         if self.num_target_layers != target.num_layers:
             raise InputError(
@@ -143,47 +126,53 @@ class DFlashConfig:
             num_layers = int(hf["num_hidden_layers"])
             num_target = int(key("num_target_layers", target.num_layers))
             ids = key("target_layer_ids")
-            return cls(
+            layers = ModelConfig(
+                "qwen3",
+                vocab_size=target.vocab_size,
                 hidden_size=int(hf["hidden_size"]),
                 intermediate_size=int(hf["intermediate_size"]),
                 num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(hf.get("num_key_value_heads") or heads),
                 head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-                block_size=int(key("block_size")),
-                mask_token_id=int(key("mask_token_id")),
-                target_layer_ids=tuple(int(i) for i in ids or default_target_layer_ids(num_target, num_layers)),
-                num_target_layers=num_target,
-                vocab_size=target.vocab_size,
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(hf.get("rope_theta", 10000.0)),
                 rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling")),
                 attention_bias=bool(hf.get("attention_bias", False)),
+                qk_norm=True,
+            )
+            return cls(
+                layers=layers,
+                block_size=int(key("block_size")),
+                mask_token_id=int(key("mask_token_id")),
+                target_layer_ids=tuple(int(i) for i in ids or default_target_layer_ids(num_target, num_layers)),
+                num_target_layers=num_target,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"DFlash config.json is missing or has a malformed key ({e!r})") from None
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json of the published layout (docs/dflash.md, section 7.1)."""
+        layers = self.layers
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
             "num_target_layers": self.num_target_layers,
-            "num_hidden_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
+            "num_hidden_layers": layers.num_layers,
+            "hidden_size": layers.hidden_size,
+            "intermediate_size": layers.intermediate_size,
+            "num_attention_heads": layers.num_heads,
+            "num_key_value_heads": layers.num_kv_heads,
+            "head_dim": layers.head_dim,
             "hidden_act": "silu",
-            "attention_bias": self.attention_bias,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": dataclasses.asdict(self.rope_scaling) if self.rope_scaling else None,
-            "layer_types": ["full_attention"] * self.num_layers,
-            "vocab_size": self.vocab_size,
+            "attention_bias": layers.attention_bias,
+            "rms_norm_eps": layers.rms_norm_eps,
+            "rope_theta": layers.rope_theta,
+            "rope_scaling": dataclasses.asdict(layers.rope_scaling) if layers.rope_scaling else None,
+            "layer_types": ["full_attention"] * layers.num_layers,
+            "vocab_size": layers.vocab_size,
             "tie_word_embeddings": False,
         }
 
@@ -200,7 +189,8 @@ class DFlashWeights:
 
 def weight_specs_of(cfg: DFlashConfig) -> DFlashWeights:
     """The abstract weights of `cfg` (ArraySpec leaves; vocab_ids is not a trained weight and is left out)."""
-    D, F = cfg.hidden_size, len(cfg.target_layer_ids) * cfg.hidden_size
+    D = cfg.layers.hidden_size
+    F = len(cfg.target_layer_ids) * D
     return DFlashWeights(
         fc=ArraySpec((F, D), ("mlp", "embed")),
         hidden_norm=ArraySpec((D,), ("embed",)),
@@ -233,9 +223,10 @@ def context_kv(
     Returns:
       (k, v), each [L, B, T, K, H].
     """
-    c_btd = rms_norm(jnp.einsum("btf,fd->btd", taps_btf.astype(w.fc.dtype), w.fc), w.hidden_norm, cfg.rms_norm_eps)
-    inv_freq = rope_inv_freq(cfg)
-    return jax.lax.map(lambda lw: keys_values(lw, c_btd, positions_bt, inv_freq, cfg.rms_norm_eps), w.layers)
+    eps = cfg.layers.rms_norm_eps
+    c_btd = rms_norm(jnp.einsum("btf,fd->btd", taps_btf.astype(w.fc.dtype), w.fc), w.hidden_norm, eps)
+    inv_freq = rope_inv_freq(cfg.layers)
+    return jax.lax.map(lambda lw: keys_values(lw, c_btd, positions_bt, inv_freq, eps), w.layers)
 
 
 def block_hidden(
@@ -262,15 +253,16 @@ def block_hidden(
       The final-normed hidden states [B, T, D], for the target's LM head.
     """
     B, T = ids_bt.shape
-    inv_freq, eps = rope_inv_freq(cfg), cfg.rms_norm_eps
+    stack = cfg.layers
+    inv_freq, eps = rope_inv_freq(stack), stack.rms_norm_eps
 
     def layer(x_btd, xs):
         lw, k_ctx, v_ctx = xs
         h = rms_norm(x_btd, lw.attn_norm, eps)
-        q = queries(lw, h, positions_bt, inv_freq, eps).reshape(B, T, cfg.num_kv_heads, -1, cfg.head_dim)
+        q = queries(lw, h, positions_bt, inv_freq, eps).reshape(B, T, stack.num_kv_heads, -1, stack.head_dim)
         k, v = keys_values(lw, h, positions_bt, inv_freq, eps)
         attn = attend(q, k_ctx, v_ctx, k, v, ctx_mask_bts, new_mask_btt)
-        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn.reshape(B, T, cfg.num_heads, -1), lw.o)
+        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn.reshape(B, T, stack.num_heads, -1), lw.o)
         return mlp_block(lw, x_btd, eps), None
 
     x_btd, _ = jax.lax.scan(layer, embed_vd[ids_bt].astype(w.fc.dtype), (w.layers, ctx_k, ctx_v))
