@@ -13,7 +13,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.models.dflash import DFlashConfig, DFlashWeights, block_hidden, block_inputs, context_kv, draft_logits
+from specjax.models.dflash import (
+    DFlashConfig,
+    DFlashWeights,
+    block_hidden,
+    block_inputs,
+    context_kv,
+    draft_logits,
+    scored_head,
+)
 
 
 def pick_anchors(rows: dict[str, jax.Array], key: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
@@ -76,7 +84,7 @@ def block_loss(
     ctx_k, ctx_v = context_kv(w, cfg, taps_btf, positions)
     context_mask, own_block = block_masks(segments, anchors, Bs)
     h = block_hidden(w, cfg, embed_vd, ids, block_positions, ctx_k, ctx_v, context_mask, own_block)
-    logp = jax.nn.log_softmax(draft_logits(w, head_vd, h).reshape(B, num_anchors, Bs, -1), axis=-1)
+    logp = jax.nn.log_softmax(draft_logits(scored_head(w, head_vd), h).reshape(B, num_anchors, Bs, -1), axis=-1)
 
     at = anchors[..., None] + jnp.arange(Bs)  # [B, N, Bs]: the row each block position predicts
     inside = at < T

@@ -27,6 +27,7 @@ from specjax.models.dflash import (
     block_inputs,
     context_kv,
     draft_logits,
+    scored_head,
     to_target_vocab,
 )
 from specjax.models.llama import head_rows
@@ -35,17 +36,18 @@ from specjax.models.llama import head_rows
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DFlashDrafter(BaseDrafter):
-    """DFlash drafter (a pytree). `embed_vd` and `head_vd` are the target's embedding and LM head, both [V, D]."""
+    """DFlash drafter (a pytree). `embed_vd` is the target's embedding [V, D]; `scored_vd` its LM head's rows of the
+    draft's scored ids (`scored_head`), gathered once here rather than in every round."""
 
     weights: DFlashWeights
     embed_vd: jax.Array
-    head_vd: jax.Array
+    scored_vd: jax.Array
     cfg: DFlashConfig = dataclasses.field(metadata=dict(static=True))
 
     @classmethod
     def for_target(cls, weights: DFlashWeights, cfg: DFlashConfig, target) -> DFlashDrafter:
         """The drafter over a target's `specjax.models.llama.Weights` (its embedding and LM head, shared)."""
-        return cls(weights, target.embed, head_rows(target), cfg)
+        return cls(weights, target.embed, scored_head(weights, head_rows(target)), cfg)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -83,7 +85,7 @@ class DFlashDrafter(BaseDrafter):
             self.weights, self.cfg, self.embed_vd, ids, positions, cache.k, cache.v,
             jnp.broadcast_to(ctx_mask, (B, Bs, S)), jnp.ones((B, Bs, Bs), bool),
         )  # fmt: skip
-        return draft_logits(self.weights, self.head_vd, h[:, 1 : num_rows + 1])
+        return draft_logits(self.scored_vd, h[:, 1 : num_rows + 1])
 
     def propose(self, cache: KVCache, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
         """Rows 1..K of one block: the whole block runs whatever K is (its rows attend to each other)."""

@@ -265,16 +265,18 @@ def block_hidden(
         x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn.reshape(B, T, stack.num_heads, -1), lw.o)
         return mlp_block(lw, x_btd, eps), None
 
-    x_btd, _ = jax.lax.scan(layer, embed_vd[ids_bt].astype(w.fc.dtype), (w.layers, ctx_k, ctx_v))
+    x_btd, _ = jax.lax.scan(layer, embed_vd[ids_bt].astype(w.fc.dtype), (w.layers, ctx_k, ctx_v), unroll=True)
     return rms_norm(x_btd, w.norm, eps)
 
 
-def draft_logits(w: DFlashWeights, head_vd: jax.Array, h_btd: jax.Array) -> jax.Array:
-    """float32 logits of the target's LM head [V, D] over the draft's scored ids: [B, T, V], or [B, T, Vd] in the
-    order of `w.vocab_ids`."""
-    if w.vocab_ids is not None:
-        head_vd = head_vd[w.vocab_ids]
-    return jnp.einsum("btd,vd->btv", h_btd.astype(head_vd.dtype), head_vd, preferred_element_type=jnp.float32)
+def scored_head(w: DFlashWeights, head_vd: jax.Array) -> jax.Array:
+    """The target's LM head [V, D] restricted to the draft's scored ids: [Vd, D] in the order of `w.vocab_ids`."""
+    return head_vd if w.vocab_ids is None else head_vd[w.vocab_ids]
+
+
+def draft_logits(scored_vd: jax.Array, h_btd: jax.Array) -> jax.Array:
+    """float32 logits [B, T, V or Vd] of the scored LM-head rows (`scored_head`)."""
+    return jnp.einsum("btd,vd->btv", h_btd.astype(scored_vd.dtype), scored_vd, preferred_element_type=jnp.float32)
 
 
 def to_target_vocab(w: DFlashWeights, logits: jax.Array, vocab_size: int) -> jax.Array:
