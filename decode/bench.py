@@ -213,7 +213,7 @@ def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int) 
     drift over the run affects all modes alike. Target forwards per batch: the rounds and the prefill of a
     speculative mode, one per token of the batch's longest output otherwise."""
     for runner in runners.values():
-        runner(groups[0], 4, seed)  # warm-up: compilation, allocator, thread pools
+        runner(groups[0], max_new_tokens, seed)  # warm-up of the very executable timed next: allocator, thread pools
     runs = {mode: ModeRun(mode, [], [], []) for mode in runners}
     for i, group in enumerate(tqdm(groups, desc="bench", unit="batch", file=sys.stderr)):
         for mode, runner in runners.items():
