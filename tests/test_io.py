@@ -299,6 +299,9 @@ def test_save_load_round_trip(model_type, tmp_path):
     weights = init_weights(cfg, jax.random.key(1))
     save_hf(tmp_path, cfg, weights)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no temp files left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {0o666 & ~umask}  # as open() makes them
     got_cfg, got = load_hf(tmp_path)
     assert got_cfg == cfg
     _assert_same(got, weights)

@@ -142,11 +142,15 @@ def load_hf(
 
 
 def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Calls write(tmp) on a temporary file next to `path`, then renames it over `path`."""
+    """Calls write(tmp) on a temporary file next to `path`, then renames it over `path` with the permissions a plain
+    open() would have given it (mkstemp's are owner-only)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
