@@ -95,15 +95,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--title", default="speedup over autoregressive decoding measured in the same run")
     args = p.parse_args(argv)
     out = Path(args.out)
-    table_path = cli.check_output_file(out.with_name(out.name + ".md"))
+    table_path, chart_path = cli.check_output_file(out.with_name(out.name + ".md")), out.with_name(out.name + ".png")
     runs = load_runs(args.runs)
     table = markdown_table(runs)
     with cli.atomic_output(table_path) as tmp:
         tmp.write_text(table)
-    with cli.atomic_output(out.with_name(out.name + ".png")) as tmp:
+    with cli.atomic_output(chart_path) as tmp:
         plot(runs, tmp, args.title)
     print(table)
-    print(f"wrote {table_path}, {out.with_name(out.name + '.png')}", file=sys.stderr)
+    print(f"wrote {table_path}, {chart_path}", file=sys.stderr)
 
 
 def entry(argv: Sequence[str] | None = None) -> None:
