@@ -15,7 +15,7 @@ import train_tiny  # noqa: E402
 from specjax.errors import InputError  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 from specjax.models.llama import forward  # noqa: E402
-from train.batches import BatchSource, pack  # noqa: E402
+from train.batches import BatchSource, nested_subset, pack  # noqa: E402
 from train.features import compute_features, feature_layers, load_features  # noqa: E402
 
 
@@ -48,6 +48,16 @@ def test_batches_are_a_function_of_the_step():
             np.testing.assert_array_equal(value, b.batch(step)[key])
     with pytest.raises(InputError, match="fewer than training.batch_size"):
         BatchSource(rows, len(rows["tokens"]) + 1, seed=0)
+
+
+def test_data_fractions_are_nested_seeded_subsets():
+    subsets = {f: nested_subset(1000, f, seed=0) for f in (0.125, 0.25, 0.5, 1.0)}
+    assert [len(s) for s in subsets.values()] == [125, 250, 500, 1000]
+    assert set(subsets[0.125]) < set(subsets[0.25]) < set(subsets[0.5]) < set(subsets[1.0]) == set(range(1000))
+    assert all((np.diff(s) > 0).all() for s in subsets.values())  # sorted, no repeats
+    np.testing.assert_array_equal(nested_subset(1000, 0.25, seed=0), subsets[0.25])
+    assert not np.array_equal(nested_subset(1000, 0.25, seed=1), subsets[0.25])
+    assert len(nested_subset(10, 0.01, seed=0)) == 1  # never empty
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@ exactly the same data."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,6 +52,13 @@ def sample_causal_mask(segments_bt: jax.Array) -> jax.Array:
     """bool [B, T, T]: row t sees the rows s <= t of its own sample (causal attention within packed samples)."""
     T = segments_bt.shape[1]
     return (segments_bt[:, :, None] == segments_bt[:, None, :]) & jnp.tril(jnp.ones((T, T), bool))
+
+
+def nested_subset(count: int, fraction: float, seed: int) -> np.ndarray:
+    """Sorted indices of ceil(fraction x count) of `count` rows: a prefix of one seeded permutation, so the subset of
+    a smaller fraction lies inside that of every larger one."""
+    order = np.random.default_rng([seed, count]).permutation(count)
+    return np.sort(order[: math.ceil(fraction * count)])
 
 
 class BatchSource:

@@ -97,6 +97,8 @@ class TrainingSection:
     # When set, steps = ceil(epochs x packed rows / batch_size): runs on nested subsets of the data keep the same
     # steps per token (the scaling curve).
     epochs: float | None = None
+    # Train on this fraction of the packed rows, a seeded subset nested in every larger fraction (the scaling curve).
+    data_fraction: float = 1.0
     batch_size: int = 8  # sequences per step (global, over all devices)
     seq_len: int = 512  # samples are packed into rows of this many tokens (longer ones truncated)
     features: str = "stored"  # target features: "stored" (computed once by the features stage) or "online" (per step)
@@ -229,7 +231,10 @@ _RANGES = {
         "synthesize.temperature", "data.sample_temperature", "training.learning_rate", "training.grad_clip",
         "training.epochs", "dflash.gamma",
     ),
-    "in (0, 1]": ("synthesize.top_p", "synthesize.dedup_threshold", "data.sample_top_p", "training.step_decay"),
+    "in (0, 1]": (
+        "synthesize.top_p", "synthesize.dedup_threshold", "data.sample_top_p", "training.step_decay",
+        "training.data_fraction",
+    ),
     "in [0, 1]": ("training.final_lr_ratio",),
 }  # fmt: skip
 

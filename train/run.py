@@ -41,7 +41,7 @@ from specjax.models.dflash import DFlashConfig, init_dflash
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.sharding import make_mesh
 from specjax.tree import TreeSpec
-from train.batches import BatchSource, pack
+from train.batches import BatchSource, nested_subset, pack
 from train.config import TrainConfig, config_to_dict
 from train.conversations import read_conversations
 from train.data import load_prompts, load_samples, reference_responses, regenerate
@@ -262,6 +262,14 @@ def stage_train(cfg: TrainConfig, model: LoadedModel) -> None:
                 f"dflash.mask_token_id {cfg.dflash.mask_token_id} occurs {written} times in the responses; choose a "
                 "token the target never writes (an unused special token)"
             )
+    if t.data_fraction < 1:
+        keep = nested_subset(len(rows["tokens"]), t.data_fraction, t.seed)
+        rows = {key: value[keep] for key, value in rows.items()}
+    if jax.process_index() == 0:  # what the head is trained on, for the scaling curve
+        (cfg.output_path / "training_rows.json").write_text(json.dumps({
+            "data_fraction": t.data_fraction, "rows": len(rows["tokens"]),
+            "samples": int(rows["segments"].max(1).sum()), "assistant_tokens": int(rows["loss_mask"].sum()),
+        }))  # fmt: skip
     if t.epochs is not None:
         steps = max(1, math.ceil(t.epochs * len(rows["tokens"]) / t.batch_size))
         print(f"training.epochs={t.epochs}: {steps} steps over {len(rows['tokens'])} rows", file=sys.stderr)

@@ -1,17 +1,19 @@
-"""The data-scaling curve: one head per nested subset of a config's data, the same steps per token, and held-out mean
-accepted length against training tokens.
+"""The data-scaling curve: one head per nested subset of a config's training rows, the same steps per token, and
+held-out mean accepted length against training tokens.
 
-  python -m train.scaling --config configs/smollm2-eagle3.yaml --prompts 256,512,1024,2048 --epochs 6 \\
+  python -m train.scaling --config configs/smollm2-eagle3.yaml --fractions 0.125,0.25,0.5,1 --epochs 1.2 \\
       --out docs/bench/scaling [section.key=value ...]
 
-Each size N runs the config's stages from regenerate to evaluate into OUTPUT_DIR-scaling-N with data.num_prompts=N
-and training.epochs=E; the config's own size runs in OUTPUT_DIR itself, so the head the config trains is the curve's
-last point. Units of the store are shared, so sizes that are multiples of 256 generate nothing that the
-full run has. Writes OUT.json and OUT.png (one line per evaluation set and drafting mode).
+The whole data set runs first, in the config's OUTPUT_DIR (so the head the config trains is the curve's last point),
+from synthesize to evaluate; each fraction F < 1 then trains and evaluates in OUTPUT_DIR-scaling-F on the seeded
+subset `training.data_fraction=F` of the same packed rows, reading the full run's stored features. Every run takes
+training.epochs=E. The draft vocabulary is the full data's in every run. Writes OUT.json and OUT.png (one line per
+evaluation set and drafting mode).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -21,7 +23,19 @@ from decode import cli
 from train.config import load_config
 from train.run import run
 
-STAGES = ["regenerate", "vocab", "features", "train", "evaluate"]
+FULL_STAGES = ["synthesize", "regenerate", "vocab", "features", "train", "evaluate"]
+SUBSET_STAGES = ["synthesize", "regenerate", "vocab", "train", "evaluate"]
+
+
+def fractions(text: str) -> list[float]:
+    """An argparse type: comma-separated fractions in (0, 1], which must include 1 (the whole data set)."""
+    try:
+        values = sorted({float(x) for x in text.split(",")}, reverse=True)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if values[0] != 1 or values[-1] <= 0:
+        raise argparse.ArgumentTypeError(f"expected fractions in (0, 1] including 1, got {text!r}")
+    return values
 
 
 def plot(points: list[dict], path: Path, title: str) -> None:
@@ -49,32 +63,31 @@ def plot(points: list[dict], path: Path, title: str) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     p = cli.ArgumentParser(prog="python -m train.scaling", description=__doc__, formatter_class=cli.RawDescription)
     p.add_argument("--config", type=Path, required=True)
-    p.add_argument("--prompts", type=cli.positive_ints, required=True, help="training prompt counts, e.g. 256,512")
+    p.add_argument("--fractions", type=fractions, required=True, help="fractions of the training rows, e.g. 0.25,1")
     p.add_argument("--epochs", type=float, required=True, help="epochs of every run (the same steps per token)")
     p.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.png are written")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides for every run")
     args = p.parse_args(argv)
+    base = load_config(args.config, [*args.overrides, f"training.epochs={args.epochs}"])
+    features = base.training.features_dir or str(base.output_path / "features")
     points = []
-    for n in sorted(args.prompts):
-        base = load_config(args.config, args.overrides)
-        output_dir = base.output_dir if n == base.data.num_prompts else f"{base.output_dir}-scaling-{n}"
-        cfg = load_config(
-            args.config,
-            [*args.overrides, f"output_dir={output_dir}", f"data.num_prompts={n}", f"training.epochs={args.epochs}"],
-        )
-        print(f"== scaling: {n} prompts -> {cfg.output_dir}", file=sys.stderr)
-        run(cfg, STAGES)
-        manifest = json.loads((cfg.output_path / "data" / "manifest.json").read_text())
+    for f in args.fractions:
+        subset = [] if f == 1 else [f"output_dir={base.output_dir}-scaling-{f:g}", f"training.features_dir={features}"]
+        cfg = load_config(args.config, [*args.overrides, f"training.epochs={args.epochs}",
+                                        f"training.data_fraction={f}", *subset])  # fmt: skip
+        print(f"== scaling: fraction {f:g} -> {cfg.output_dir}", file=sys.stderr)
+        run(cfg, FULL_STAGES if f == 1 else SUBSET_STAGES)
+        trained = json.loads((cfg.output_path / "training_rows.json").read_text())
         evaluation = json.loads((cfg.output_path / "eval.json").read_text())
-        points.append({"prompts": n, "samples": manifest["samples"], "assistant_tokens": manifest["assistant_tokens"],
-                       "steps": evaluation["step"], "sets": evaluation["sets"]})  # fmt: skip
+        points.append({**trained, "steps": evaluation["step"], "sets": evaluation["sets"]})
+    points.reverse()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"epochs": args.epochs, "points": points}, indent=1))
     plot(points, args.out.with_suffix(".png"), f"{args.config.name}: {args.epochs} epochs per run")
     for point in points:
         summary = ", ".join(f"{s} {m} {r[m]['mean_accepted']:.2f}" for s, r in point["sets"].items()
                             for m in ("chain", "tree"))  # fmt: skip
-        print(f"{point['assistant_tokens']:>9} tokens ({point['prompts']} prompts): {summary}")
+        print(f"{point['assistant_tokens']:>9} tokens ({point['samples']} samples): {summary}")
 
 
 if __name__ == "__main__":
