@@ -1,17 +1,12 @@
 """The TTT loss against an independent, row-by-row implementation; lean vs dense cross-step attention; memory."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.config import ModelConfig
 from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
-from specjax.models.llama import init_weights, lm_logits
-from train.drafts import start_from_target_readout
 from train.ttt import dense_ttt_attention, ttt_attention, ttt_loss
 
 V, D, VD = 64, 32, 24
@@ -207,19 +202,3 @@ def test_peak_memory_linear_in_k_for_lean_attention_quadratic_for_dense(record_p
     # Linear: the increment doubles when the step in K doubles (2->4, then 4->8).
     assert 1.7 < (lean[2] - lean[1]) / (lean[1] - lean[0]) < 2.3, lean
     assert lean[2] < dense[2] / 2
-
-
-def test_head_init_target_reads_a_residual_stream_as_the_target_does():
-    """`training.head_init: target`: the head's readout of any pre-norm vector equals the target's final norm and
-    LM head restricted to the draft vocabulary (here an untied head, whose rows differ from the embedding)."""
-    target_cfg = ModelConfig(
-        model_type="llama", vocab_size=V, hidden_size=D, intermediate_size=48, num_layers=4, num_heads=4,
-        num_kv_heads=2, head_dim=8, tie_word_embeddings=False,
-    )  # fmt: skip
-    target = init_weights(target_cfg, jax.random.key(3))
-    target = dataclasses.replace(target, final_norm=1 + jax.random.normal(jax.random.key(4), (D,)))
-    head = make_head()
-    start_from_target_readout(head, target)
-    x = jax.random.normal(jax.random.key(5), (2, 3, D))
-    want = lm_logits(target, target_cfg, x, head.target_ids_of_draft_vocab())
-    np.testing.assert_allclose(head.readout(x)[0], want, rtol=1e-5, atol=1e-5)

@@ -105,9 +105,6 @@ class TrainingSection:
     # Where the stored features live; None: output_dir/features. Runs on the same data with the same taps (e.g. an
     # EAGLE-3 and a DFlash draft) can share one folder: its manifest names the rows and layers it holds.
     features_dir: str | None = None
-    # An EAGLE-3 head's final norm and lm_head at the start: "random", or "target" (the target's final norm and its
-    # LM-head rows of the draft vocabulary, so the head starts with the target's readout of a residual stream).
-    head_init: str = "random"
     learning_rate: float = 1e-3
     warmup_steps: int = 50
     final_lr_ratio: float = 0.05  # cosine decay to learning_rate * this
@@ -190,8 +187,6 @@ class TrainConfig:
             )
         if self.training.features not in ("stored", "online"):
             raise InputError(f"training.features must be 'stored' or 'online', got {self.training.features!r}")
-        if self.training.head_init not in ("random", "target"):
-            raise InputError(f"training.head_init must be 'random' or 'target', got {self.training.head_init!r}")
 
     def get(self, key: str) -> Any:
         """The value of a dotted key, e.g. "training.learning_rate"."""

@@ -24,13 +24,6 @@ from train.dflash_loss import block_loss, pick_anchors
 from train.ttt import ttt_loss
 
 
-def start_from_target_readout(head: Eagle3Head, target_weights: Weights) -> None:
-    """Sets the head's final norm and lm_head to the target's final norm and LM-head rows of the draft vocabulary
-    (`training.head_init: target`); the head's d2t must already be set."""
-    head.final_norm[...] = target_weights.final_norm.astype(head.dtype)
-    head.lm_head[...] = head_rows(target_weights)[head.target_ids_of_draft_vocab()].T.astype(head.dtype)
-
-
 class Eagle3Training:
     """An EAGLE-3 head under the training-time-test loss (train/ttt.py)."""
 

@@ -45,7 +45,7 @@ from train.batches import BatchSource, nested_subset, pack
 from train.config import TrainConfig, config_to_dict
 from train.conversations import read_conversations
 from train.data import load_prompts, load_samples, reference_responses, regenerate
-from train.drafts import DFlashTraining, Eagle3Training, start_from_target_readout
+from train.drafts import DFlashTraining, Eagle3Training
 from train.features import compute_features, feature_layers, load_features
 from train.model_card import model_card
 from train.synthesize import synthesize
@@ -241,8 +241,6 @@ def build_trainer(cfg: TrainConfig, model: LoadedModel) -> Trainer:
         head = Eagle3Head(head_config(cfg, model), rngs=nnx.Rngs(seed))
         head.d2t[...] = jnp.asarray(d2t, jnp.int32)
         head.t2d[...] = jnp.asarray(t2d)
-        if cfg.training.head_init == "target":
-            start_from_target_readout(head, model.weights)
         draft = Eagle3Training(head, model.cfg, cfg.training)
     mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
     return Trainer(cfg, model.cfg, model.weights, draft, mesh)
