@@ -354,6 +354,22 @@ def _snapshot(folder: Path) -> dict:
     }
 
 
+def test_init_from_starts_at_an_exported_head_and_its_vocabulary(smoke_run, tmp_path):
+    from specjax.io.eagle3_checkpoint import load_eagle3
+    from specjax.io.models import load_model
+    from train.config import load_config
+    from train.run import build_trainer
+
+    cfg = load_config(SMOKE, [f"output_dir={tmp_path}", f"training.init_from={smoke_run / 'export'}"])
+    model = load_model(cfg.model.target)
+    start = build_trainer(cfg, model).draft  # no vocab stage in tmp_path: the head brings its own
+    _, exported = load_eagle3(smoke_run / "export", model.cfg)
+    head = start.head(start.params)
+    for name in ("fc", "q", "down", "final_norm", "lm_head", "d2t", "t2d"):
+        np.testing.assert_array_equal(getattr(head, name)[...], getattr(exported, name)[...], err_msg=name)
+    assert np.abs(np.asarray(head.lm_head[...])).max() > 0.1  # trained weights, not the 0.02-scale random start
+
+
 def test_a_second_run_on_the_same_output_dir_is_refused(smoke_run, capsys):
     from train.run import exclusive_output_dir
 
@@ -381,6 +397,11 @@ def test_a_second_run_on_the_same_output_dir_is_refused(smoke_run, capsys):
         (["--stages", "train,evalute"], r"unknown stage"),
         (["output_dir=/proc/specjax-run"], r"cannot use output_dir '/proc/specjax-run'"),
         ([f"output_dir={SMOKE}"], r"output_dir '.*smoke.yaml' is a file; choose a folder"),
+        (["training.init_from=/nonexistent/head"], r"training.init_from: .*/nonexistent/head"),
+        (
+            ["training.init_from=EXPORT", "model.draft_vocab_size=256"],
+            r"another shape: draft_vocab_size 512 \(run: 256\)",
+        ),
     ],
     ids=[
         "unknown-key",
@@ -394,13 +415,16 @@ def test_a_second_run_on_the_same_output_dir_is_refused(smoke_run, capsys):
         "unavailable-stage",
         "output-dir-unusable",
         "output-dir-a-file",
+        "init-from-missing",
+        "init-from-other-shape",
     ],  # fmt: skip
 )
 def test_bad_input_is_one_line_and_writes_nothing(smoke_run, capsys, overrides, message):
     before = _snapshot(smoke_run)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        entry(["--config", str(SMOKE), f"output_dir={smoke_run}", *overrides])
+        entry(["--config", str(SMOKE), f"output_dir={smoke_run}",
+               *(o.replace("EXPORT", str(smoke_run / "export")) for o in overrides)])  # fmt: skip
     assert exit_info.value.code == 2
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()

@@ -97,6 +97,9 @@ class TrainingSection:
     # When set, steps = ceil(epochs x packed rows / batch_size): runs on nested subsets of the data keep the same
     # steps per token (the scaling curve).
     epochs: float | None = None
+    # An exported EAGLE-3 head (config.json + safetensors, e.g. specjax's shipped one or a published one) whose weights
+    # and draft vocabulary the run starts from instead of random ones; the optimiser starts afresh.
+    init_from: str | None = None
     # Train on this fraction of the packed rows, a seeded subset nested in every larger fraction (the scaling curve).
     data_fraction: float = 1.0
     batch_size: int = 8  # sequences per step (global, over all devices)
@@ -185,6 +188,8 @@ class TrainConfig:
             raise InputError(
                 "dflash.mask_token_id is required: a token id the target never writes (an unused special token)"
             )
+        if self.training.init_from and self.model.drafter != "eagle3":
+            raise InputError("training.init_from takes an exported EAGLE-3 head; a DFlash draft starts at random")
         if self.training.features not in ("stored", "online"):
             raise InputError(f"training.features must be 'stored' or 'online', got {self.training.features!r}")
 

@@ -32,10 +32,10 @@ from decode.cli import read_prompts_file
 from specjax import speculative
 from specjax.defaults import EVAL_DRAFT_TOKENS, EVAL_TREE
 from specjax.drafters import DFlashDrafter, Eagle3Drafter
-from specjax.errors import InputError
+from specjax.errors import InputError, SpecjaxError
 from specjax.evalsets import chat_prompts, humaneval_prompts
 from specjax.io.dflash_checkpoint import save_dflash
-from specjax.io.eagle3_checkpoint import save_eagle3
+from specjax.io.eagle3_checkpoint import check_eagle3, load_eagle3, save_eagle3
 from specjax.io.models import LoadedModel, load_model
 from specjax.models.dflash import DFlashConfig, init_dflash
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
@@ -134,6 +134,27 @@ def head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
     return dataclasses.replace(base, **overrides)
 
 
+# What a `training.init_from` head must share with the head the config describes.
+SHAPE_FIELDS = (
+    "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "draft_vocab_size", "tap_layers",
+    "norm_output", "norm_before_residual",
+)  # fmt: skip
+
+
+def initial_head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
+    """The config of the `training.init_from` head, which must have the run's shape (raises InputError)."""
+    try:
+        found = check_eagle3(cfg.training.init_from, model.cfg)
+    except SpecjaxError as e:
+        raise InputError(f"training.init_from: {e}") from None
+    want = head_config(cfg, model)
+    differ = [f"{name} {getattr(found, name)} (run: {getattr(want, name)})" for name in SHAPE_FIELDS
+              if getattr(found, name) != getattr(want, name)]  # fmt: skip
+    if differ:
+        raise InputError(f"training.init_from {cfg.training.init_from} has another shape: {', '.join(differ)}")
+    return found
+
+
 def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
     """Checks everything that can be checked before any stage writes: the mesh against the devices, the batch
     against the mesh, the head against the target, the prompts file. Raises InputError; writes nothing.
@@ -148,6 +169,8 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
             if source not in ("builtin", "synthetic"):
                 read_conversations(Path(source))  # a missing or malformed prompts file
     draft_config(cfg, model)  # tap layers / vocabulary sizes against the target, before any stage runs
+    if cfg.training.init_from:
+        initial_head_config(cfg, model)
     if {"train", "evaluate", "export"} & set(stages):
         mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
         replicas = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -231,13 +254,17 @@ def features_dir(cfg: TrainConfig) -> Path:
 
 
 def build_trainer(cfg: TrainConfig, model: LoadedModel) -> Trainer:
-    d2t, t2d = load_vocab(cfg.output_path / "vocab.npz")
     seed = cfg.training.seed
-    if cfg.model.drafter == "dflash":
+    if cfg.training.init_from:  # an exported head: its weights and its own draft vocabulary
+        _, head = load_eagle3(cfg.training.init_from, model.cfg)
+        draft = Eagle3Training(head, model.cfg, cfg.training)
+    elif cfg.model.drafter == "dflash":
+        _, t2d = load_vocab(cfg.output_path / "vocab.npz")
         draft_cfg = dflash_config(cfg, model)
         weights = init_dflash(draft_cfg, jax.random.key(seed))
         draft = DFlashTraining(draft_cfg, weights, np.flatnonzero(t2d), model.cfg, cfg.dflash, seed)
     else:
+        d2t, t2d = load_vocab(cfg.output_path / "vocab.npz")
         head = Eagle3Head(head_config(cfg, model), rngs=nnx.Rngs(seed))
         head.d2t[...] = jnp.asarray(d2t, jnp.int32)
         head.t2d[...] = jnp.asarray(t2d)
