@@ -229,16 +229,21 @@ def test_unit_keys_change_with_every_setting_that_shapes_a_shard():
     assert base not in variants and len(set(variants)) == len(variants)
 
 
-def test_epochs_set_the_steps_from_the_packed_rows(monkeypatch, tiny):
+@pytest.mark.parametrize("fraction, rows, steps", [(1.0, 50, 32), (0.5, 25, 16)])  # steps = ceil(2.5 x rows / 4)
+def test_epochs_set_the_steps_from_the_packed_rows(monkeypatch, tiny, tmp_path, fraction, rows, steps):
     from train import run
 
     seen = {}
-    monkeypatch.setattr(run, "load_features", lambda *a: {"tokens": np.zeros((50, 8), np.int32)})
+    packed = {key: np.ones((50, 8), np.int32) for key in ("tokens", "loss_mask", "positions", "segments")}
+    monkeypatch.setattr(run, "load_features", lambda *a: packed)
     monkeypatch.setattr(run, "build_trainer", lambda cfg, model: seen.setdefault("steps", cfg.training.steps))
-    monkeypatch.setattr(run, "BatchSource", lambda *a: None)
+    monkeypatch.setattr(run, "BatchSource", lambda rows, *a: seen.setdefault("rows", len(rows["tokens"])))
     monkeypatch.setattr(run, "train", lambda *a, **k: None)
-    run.stage_train(load_config(None, ["training.epochs=2.5", "training.batch_size=4"]), tiny)
-    assert seen["steps"] == 32  # ceil(2.5 x 50 rows / 4)
+    overrides = ["training.epochs=2.5", "training.batch_size=4", f"training.data_fraction={fraction}"]
+    run.stage_train(load_config(None, [*overrides, f"output_dir={tmp_path}"]), tiny)
+    assert seen == {"steps": steps, "rows": rows}
+    record = json.loads((tmp_path / "training_rows.json").read_text())
+    assert record == {"data_fraction": fraction, "rows": rows, "samples": rows, "assistant_tokens": 8 * rows}
 
 
 def test_a_cut_reply_ends_its_conversation(tiny):

@@ -370,6 +370,22 @@ def test_init_from_starts_at_an_exported_head_and_its_vocabulary(smoke_run, tmp_
     assert np.abs(np.asarray(head.lm_head[...])).max() > 0.1  # trained weights, not the 0.02-scale random start
 
 
+def test_init_from_takes_a_shipped_head_by_name():
+    from specjax.drafters.eagle3 import BUILTIN_HEADS
+    from specjax.io.models import load_model
+    from train.config import load_config
+    from train.run import initial_head_config
+
+    cfg = load_config(ROOT / "configs" / "smollm2-eagle3.yaml", ["training.init_from=smollm2-135m"])
+    model = load_model(cfg.model.target)
+    with pytest.raises(SpecjaxError, match=r"another shape: draft_vocab_size 4096 \(run: 8192\)"):
+        initial_head_config(cfg, model)
+    cfg = load_config(ROOT / "configs" / "smollm2-eagle3.yaml", ["training.init_from=smollm2-135m",
+                                                                 "model.draft_vocab_size=4096"])  # fmt: skip
+    assert initial_head_config(cfg, model).tap_layers == (2, 15, 27)
+    assert BUILTIN_HEADS["smollm2-135m"].is_dir()
+
+
 def test_a_second_run_on_the_same_output_dir_is_refused(smoke_run, capsys):
     from train.run import exclusive_output_dir
 

@@ -97,8 +97,8 @@ class TrainingSection:
     # When set, steps = ceil(epochs x packed rows / batch_size): runs on nested subsets of the data keep the same
     # steps per token (the scaling curve).
     epochs: float | None = None
-    # An exported EAGLE-3 head (config.json + safetensors, e.g. specjax's shipped one or a published one) whose weights
-    # and draft vocabulary the run starts from instead of random ones; the optimiser starts afresh.
+    # An exported EAGLE-3 head (a folder of config.json + safetensors, or a shipped head's name: smollm2-135m) whose
+    # weights and draft vocabulary the run starts from instead of random ones; the optimiser starts afresh.
     init_from: str | None = None
     # Train on this fraction of the packed rows, a seeded subset nested in every larger fraction (the scaling curve).
     data_fraction: float = 1.0

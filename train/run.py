@@ -32,6 +32,7 @@ from decode.cli import read_prompts_file
 from specjax import speculative
 from specjax.defaults import EVAL_DRAFT_TOKENS, EVAL_TREE
 from specjax.drafters import DFlashDrafter, Eagle3Drafter
+from specjax.drafters.eagle3 import BUILTIN_HEADS
 from specjax.errors import InputError, SpecjaxError
 from specjax.evalsets import chat_prompts, humaneval_prompts
 from specjax.io.dflash_checkpoint import save_dflash
@@ -141,10 +142,15 @@ SHAPE_FIELDS = (
 )  # fmt: skip
 
 
+def initial_head_path(cfg: TrainConfig) -> str | Path:
+    """The folder of the `training.init_from` head: a path, or the name of a head shipped with specjax."""
+    return BUILTIN_HEADS.get(cfg.training.init_from, cfg.training.init_from)
+
+
 def initial_head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
     """The config of the `training.init_from` head, which must have the run's shape (raises InputError)."""
     try:
-        found = check_eagle3(cfg.training.init_from, model.cfg)
+        found = check_eagle3(initial_head_path(cfg), model.cfg)
     except SpecjaxError as e:
         raise InputError(f"training.init_from: {e}") from None
     want = head_config(cfg, model)
@@ -256,7 +262,7 @@ def features_dir(cfg: TrainConfig) -> Path:
 def build_trainer(cfg: TrainConfig, model: LoadedModel) -> Trainer:
     seed = cfg.training.seed
     if cfg.training.init_from:  # an exported head: its weights and its own draft vocabulary
-        _, head = load_eagle3(cfg.training.init_from, model.cfg)
+        _, head = load_eagle3(initial_head_path(cfg), model.cfg)
         draft = Eagle3Training(head, model.cfg, cfg.training)
     elif cfg.model.drafter == "dflash":
         _, t2d = load_vocab(cfg.output_path / "vocab.npz")
