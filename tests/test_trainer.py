@@ -4,6 +4,7 @@ divergence stops with the last checkpoint intact, bad CLI input is one line and 
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -384,6 +385,27 @@ def test_init_from_takes_a_shipped_head_by_name():
                                                                  "model.draft_vocab_size=4096"])  # fmt: skip
     assert initial_head_config(cfg, model).tap_layers == (2, 15, 27)
     assert BUILTIN_HEADS["smollm2-135m"].is_dir()
+
+
+def test_evaluate_before_any_step_measures_the_starting_head_of_an_init_from_run(smoke_run, tmp_path, capsys):
+    stages = ["--config", str(SMOKE), "--stages", "evaluate", "evaluation.sets=[chat]", "evaluation.num_prompts=2",
+              "evaluation.max_new_tokens=8"]  # fmt: skip
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    shutil.copy(smoke_run / "vocab.npz", fresh)  # a vocabulary, but no step trained
+    with pytest.raises(SystemExit) as exit_info:
+        entry([*stages, f"output_dir={fresh}"])
+    assert exit_info.value.code == 2
+    assert "train holds no checkpoint; run the train stage first" in capsys.readouterr().err
+
+    out = tmp_path / "continued"
+    with pytest.raises(SystemExit) as exit_info:
+        entry([*stages, f"output_dir={out}", f"training.init_from={smoke_run / 'export'}"])
+        raise SystemExit(0)
+    assert exit_info.value.code in (0, None)
+    report = json.loads((out / "eval.json").read_text())
+    assert report["step"] == 0 and report["sets"]["chat"]["prompts"] == 2
+    assert report["sets"]["chat"]["chain"]["mean_accepted"] >= 1
 
 
 def test_a_second_run_on_the_same_output_dir_is_refused(smoke_run, capsys):

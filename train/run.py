@@ -317,14 +317,15 @@ def evaluation_set(cfg: TrainConfig, name: str) -> list[str]:
 
 def trained_draft(cfg: TrainConfig, model: LoadedModel):
     """The draft of the latest intact checkpoint, gathered to host memory (`Trainer.export`): an Eagle3Head, or a
-    DFlash (config, weights) pair."""
+    DFlash (config, weights) pair. Before any checkpoint, a run with `training.init_from` gives its starting head
+    (step 0), so the evaluate stage measures the head it continues with the run's own settings."""
     trainer = build_trainer(cfg, model)
     manager = checkpoint_manager(trainer, cfg.output_path / "train")
     try:
         state = restore_latest(trainer, manager)
     finally:
         manager.close()
-    if int(state["step"]) == 0:
+    if int(state["step"]) == 0 and not cfg.training.init_from:
         raise InputError(f"{cfg.output_dir}/train holds no checkpoint; run the train stage first")
     return int(state["step"]), trainer.export(state)  # every process takes part in the gather
 
