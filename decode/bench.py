@@ -204,6 +204,22 @@ MODES: dict[str, Callable[..., Runner]] = {
 SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree", "ngram-eagle3", "dflash")
 
 
+def parse_mode(mode: str) -> tuple[str, int | str | None]:
+    """(mode, its drafting) of a --modes entry: `MODE`; `MODE:auto`, adaptive; `MODE:K`, a chain mode with its own
+    K (so one run compares several)."""
+    base, _, variant = mode.partition(":")
+    if base in MODES and not variant:
+        return base, None
+    if base in SPECULATIVE_MODES and variant == "auto":
+        return base, "auto"
+    if base in SPECULATIVE_MODES and base != "eagle3-tree" and variant.isdigit() and int(variant) > 0:
+        return base, int(variant)
+    raise InputError(
+        f"unknown mode {mode!r}; choose from {', '.join(MODES)}, a speculative one with ':auto', or a chain one with "
+        "':K' (e.g. ngram:3)"
+    )
+
+
 # Peers that draft: their forwards per token are not known here.
 UNCOUNTED_FORWARDS = ("hf-pld",)
 
@@ -308,7 +324,7 @@ def parser() -> cli.ArgumentParser:
     p.add_argument(
         "--modes", default="ar,hf",
         help=f"comma-separated, from: {', '.join(MODES)}; a speculative mode with ':auto' (e.g. ngram:auto) drafts "
-        "adaptively, beside the same mode with a fixed K",
+        "adaptively; a chain mode with ':K' (e.g. ngram:2) drafts its own fixed K, so one run compares several",
     )  # fmt: skip
     p.add_argument(
         "--num-draft-tokens", type=cli.draft_tokens, default=DEFAULT_DRAFT_TOKENS,
@@ -342,11 +358,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     sampling = cli.sampling_from_args(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES and not (m.endswith(":auto") and m[:-5] in SPECULATIVE_MODES)]
-    if unknown or not modes:
-        raise InputError(
-            f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}, or a speculative one with ':auto'"
-        )
+    if not modes:
+        raise InputError(f"--modes is empty; choose from {', '.join(MODES)}")
+    drafting = {mode: parse_mode(mode) for mode in modes}
     for name in ("--max-new-tokens", "--batch-size", "--num-prompts"):
         cli.check_positive(name, getattr(args, name[2:].replace("-", "_")))
     given = cli.gather_prompts(args)
@@ -379,9 +393,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )  # fmt: skip
 
     def prepare(mode: str) -> Runner:
-        base, auto = mode.removesuffix(":auto"), mode.endswith(":auto")
-        extra = dict(options, auto=auto) if base in SPECULATIVE_MODES else {}
-        return MODES[base](model, sampling, eos, batch_size, **extra)
+        base, variant = drafting[mode]
+        if base not in SPECULATIVE_MODES:
+            return MODES[base](model, sampling, eos, batch_size)
+        k = variant if isinstance(variant, int) else options["num_draft_tokens"]
+        chosen = dict(options, num_draft_tokens=k, auto=variant == "auto")
+        return MODES[base](model, sampling, eos, batch_size, **chosen)
 
     runners = {mode: prepare(mode) for mode in modes}
     runs = measure(runners, groups, args.max_new_tokens, args.seed)

@@ -15,7 +15,7 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bandwidth, "cache_dir", lambda: tmp_path / "cache")
     monkeypatch.setattr(bandwidth, "copy_bandwidth", lambda: 1e10)
     prompts = ["Write a function.", "Name three rivers.", "Count to ten.", "Hello!"]
-    argv = ["--model", "tiny-random", "--modes", "ar,ngram,ngram:auto,layerskip", "--max-new-tokens", "12",
+    argv = ["--model", "tiny-random", "--modes", "ar,ngram,ngram:2,ngram:auto,layerskip", "--max-new-tokens", "12",
             "--num-draft-tokens", "3", "--draft-layers", "1", "--forward-costs", "1,4",
             "--out-dir", str(tmp_path)]  # fmt: skip
     for p in prompts:
@@ -26,8 +26,9 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
     assert report["config"]["prompt_set"] == "given"
     assert report["config"]["num_draft_tokens"] == 3 and report["config"]["draft_layers"] == 1
     rows = {r["mode"]: r for r in report["modes"]}
-    assert list(rows) == ["ar", "ngram", "ngram:auto", "layerskip"]
-    for mode in ("ngram", "ngram:auto", "layerskip"):
+    assert list(rows) == ["ar", "ngram", "ngram:2", "ngram:auto", "layerskip"]
+    assert len(rows["ngram"]["acceptance_by_position"]) == 3 and len(rows["ngram:2"]["acceptance_by_position"]) == 2
+    for mode in ("ngram", "ngram:2", "ngram:auto", "layerskip"):
         r = rows[mode]
         assert r["identical_to_ar"] is True
         assert 1.0 <= r["mean_accepted"] <= 9.0
@@ -47,8 +48,8 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
     table = (tmp_path / "bench.md").read_text()
     assert [r["tokens"] for r in report["forward_costs"]] == [1, 4]
     assert all(r["ms"] > 0 and r["target_steps"] > 0 for r in report["forward_costs"])
-    assert table.count("\n") == (2 + 4) + 1 + (2 + 2) and "| ngram:auto |" in table and "| 4 |" in table
-    header, _, *mode_lines = table.splitlines()[:6]
+    assert table.count("\n") == (2 + 5) + 1 + (2 + 2) and "| ngram:auto |" in table and "| 4 |" in table
+    header, _, *mode_lines = table.splitlines()[:7]
     assert header.endswith("| identical to ar | weights read (GB/s) | of bandwidth |")
     assert all(line.count("|") == 11 and line.endswith("% |") for line in mode_lines)
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
@@ -77,7 +78,14 @@ def test_measure_interleaves_modes_and_pairs_speedups():
 
 @pytest.mark.parametrize(
     "flags, needle",
-    [(["--forward-costs", "0,4"], ">= 1"), (["--forward-costs", "a"], "integers"), (["--modes", "x"], "x")],
+    [
+        (["--forward-costs", "0,4"], ">= 1"),
+        (["--forward-costs", "a"], "integers"),
+        (["--modes", "x"], "unknown mode 'x'"),
+        (["--modes", "ar:3"], "unknown mode 'ar:3'"),
+        (["--modes", "ngram:0"], "unknown mode 'ngram:0'"),
+        (["--modes", "eagle3-tree:4"], "a chain one with ':K'"),
+    ],
 )
 def test_bad_bench_input_is_one_line_and_exit_2(flags, needle, capsys):
     with pytest.raises(SystemExit) as exit_info:
