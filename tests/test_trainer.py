@@ -408,6 +408,28 @@ def test_evaluate_before_any_step_measures_the_starting_head_of_an_init_from_run
     assert report["sets"]["chat"]["chain"]["mean_accepted"] >= 1
 
 
+def test_a_continued_head_card_carries_the_starting_heads_data_and_training(smoke_run, tmp_path):
+    from specjax.io.eagle3_checkpoint import load_eagle3
+    from specjax.io.models import load_model
+    from train.config import load_config
+    from train.model_card import model_card
+
+    start = (smoke_run / "export" / "README.md").read_text()
+    cfg = load_config(SMOKE, [f"output_dir={tmp_path}", f"training.init_from={smoke_run / 'export'}"])
+    head_cfg, _ = load_eagle3(smoke_run / "export", load_model("tiny-random").cfg)
+    once = model_card(cfg, head_cfg, {}, None, None, None, start)
+    twice = model_card(cfg, head_cfg, {}, None, None, None, once)
+    assert "these steps continue the head" in once and "these steps continue the head" not in start
+    for card, depth in ((once, 1), (twice, 2)):
+        lines = card.splitlines()
+        heading = "#" * (depth + 1) + " Starting head"
+        assert heading in lines and "#" * (depth + 2) + " Training" in lines
+        assert lines.index(heading) < lines.index("## Evaluation")  # inside the part the next card copies
+    # The smoke head's 24 steps appear once however deep; each continuation adds its own (here 0: no metrics).
+    assert [card.count("- 24 steps of 4 packed rows") for card in (start, once, twice)] == [1, 1, 1]
+    assert [card.count("- 0 steps of 4 packed rows") for card in (start, once, twice)] == [0, 1, 2]
+
+
 def test_a_second_run_on_the_same_output_dir_is_refused(smoke_run, capsys):
     from train.run import exclusive_output_dir
 

@@ -67,10 +67,27 @@ def _objective(cfg: TrainConfig) -> str:
     return f"training-time test over {t.ttt_length} steps (loss weights {t.step_decay}^k)"
 
 
+def _starting_head(card: str | None) -> list[str]:
+    """The data and training sections of the starting head's card, one heading level down, so a head continued
+    several times carries its whole history; nothing when the card has no such sections (a head from elsewhere)."""
+    lines = (card or "").splitlines()
+    if "## Data" not in lines or "## Evaluation" not in lines:
+        return []
+    kept = lines[lines.index("## Data") : lines.index("## Evaluation")]
+    return ["## Starting head", "", *("#" + line if line.startswith("#") else line for line in kept)]
+
+
 def model_card(
-    cfg: TrainConfig, draft_cfg, manifest: dict, synthetic: dict | None, coverage: float | None, evaluation: dict | None
+    cfg: TrainConfig,
+    draft_cfg,
+    manifest: dict,
+    synthetic: dict | None,
+    coverage: float | None,
+    evaluation: dict | None,
+    start_card: str | None = None,
 ) -> str:
-    """Markdown model card of an exported draft (`synthetic`: the synthesize stage's manifest, if any)."""
+    """Markdown model card of an exported draft (`synthetic`: the synthesize stage's manifest, if any;
+    `start_card`: the card of the `training.init_from` head)."""
     last = _last_metrics(cfg.output_path / "train" / "metrics.jsonl")
     acc = ", ".join(f"{sum(a) / len(a):.3f}" for a in zip(*(m["acc_k"] for m in last))) if last else "n/a"
     steps = last[-1]["step"] if last else 0
@@ -122,7 +139,16 @@ def model_card(
         f"{_objective(cfg)}, target features {cfg.training.features}",
         f"- final accuracy per draft position (agreement with the target's token on assistant rows, mean of the last "
         f"{len(last)} logged steps): {acc}",
+        *(
+            [
+                f"- these steps continue the head `{cfg.training.init_from}` (its weights and draft vocabulary, a "
+                "fresh optimiser), whose own data and training follow"
+            ]
+            if cfg.training.init_from
+            else []
+        ),
         "",
+        *_starting_head(start_card),
         "## Evaluation",
     ]
     if evaluation:

@@ -400,7 +400,10 @@ def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
         evaluation = json.loads((out / "eval.json").read_text()) if (out / "eval.json").exists() else None
         synth = out / "prompts" / "manifest.json"
         synthetic = json.loads(synth.read_text()) if synth.exists() else None
-        (folder / "README.md").write_text(model_card(cfg, draft_cfg, manifest, synthetic, coverage, evaluation))
+        start = Path(initial_head_path(cfg)) / "README.md" if cfg.training.init_from else None
+        start_card = start.read_text() if start and start.is_file() else None
+        card = model_card(cfg, draft_cfg, manifest, synthetic, coverage, evaluation, start_card)
+        (folder / "README.md").write_text(card)
     return folder
 
 
