@@ -142,9 +142,9 @@ SHAPE_FIELDS = (
 )  # fmt: skip
 
 
-def initial_head_path(cfg: TrainConfig) -> str | Path:
+def initial_head_path(cfg: TrainConfig) -> Path:
     """The folder of the `training.init_from` head: a path, or the name of a head shipped with specjax."""
-    return BUILTIN_HEADS.get(cfg.training.init_from, cfg.training.init_from)
+    return Path(BUILTIN_HEADS.get(cfg.training.init_from, cfg.training.init_from))
 
 
 def initial_head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
@@ -400,7 +400,7 @@ def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
         evaluation = json.loads((out / "eval.json").read_text()) if (out / "eval.json").exists() else None
         synth = out / "prompts" / "manifest.json"
         synthetic = json.loads(synth.read_text()) if synth.exists() else None
-        start = Path(initial_head_path(cfg)) / "README.md" if cfg.training.init_from else None
+        start = initial_head_path(cfg) / "README.md" if cfg.training.init_from else None
         start_card = start.read_text() if start and start.is_file() else None
         card = model_card(cfg, draft_cfg, manifest, synthetic, coverage, evaluation, start_card)
         (folder / "README.md").write_text(card)
