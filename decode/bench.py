@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 from decode import cli
 from specjax import speculative
-from specjax.adaptive import Adaptive
+from specjax.adaptive import Adaptive, machine
 from specjax.bandwidth import device_bandwidth
 from specjax.calibrate import drafter_seconds, forward_costs, forward_seconds, round_breakdown
 from specjax.config import ModelConfig, SamplingConfig
@@ -418,7 +419,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "num_draft_tokens": args.num_draft_tokens, "ngram": args.ngram, "lookup_tokens": args.lookup_tokens,
         "draft_layers": args.draft_layers, "eagle3": args.eagle3, "tree": args.tree or DEFAULT_TREE,
         "dflash": args.dflash,
-        "device": jax.devices()[0].device_kind, "weight_bytes": weights, "bandwidth_bytes_per_s": bandwidth,
+        "device": jax.devices()[0].device_kind, "machine": machine(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "weight_bytes": weights, "bandwidth_bytes_per_s": bandwidth,
         "bandwidth_source": bandwidth_source,
     }  # fmt: skip
     table = markdown_table(rows)
@@ -442,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def entry(argv: Sequence[str] | None = None) -> None:
+    cli.prefer_onednn_dots()
     cli.run(main, "specjax-bench", argv)
 
 

@@ -173,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def entry(argv: Sequence[str] | None = None) -> None:
+    cli.prefer_onednn_dots()
     cli.run(main, "specjax-generate", argv)
 
 

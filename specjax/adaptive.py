@@ -97,19 +97,26 @@ def useful_entries(menu: Sequence[int], depths: Sequence[int], cost: Sequence[fl
     return sorted(best)
 
 
-def machine() -> str:
-    """The device this process computes on, as calibration keys it: the accelerator kind, or the CPU model and
-    core count."""
+# The vector extensions that decide a CPU's matmul speed. Cloud CPUs often share one model name ("AMD EPYC")
+# across generations that differ 2-3x per token, so the key names them too.
+CPU_ISA_MARKERS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "asimd", "sve")
+
+
+def machine(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The device this process computes on, as calibration keys it: the accelerator kind, or the CPU model, core
+    count and vector extensions."""
     device = jax.devices()[0]
     if device.platform != "cpu":
         return f"{device.platform}:{device.device_kind}"
-    model = platform.processor() or platform.machine()
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+        with open(cpuinfo, encoding="utf-8") as f:
+            info = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in f)}
     except OSError:
-        pass
-    return f"cpu:{model}:{os.cpu_count()}"
+        info = {}
+    model = info.get("model name") or platform.processor() or platform.machine()
+    flags = set(info.get("flags", info.get("Features", "")).split())  # x86 / ARM
+    isa = ",".join(m for m in CPU_ISA_MARKERS if m in flags)
+    return f"cpu:{model}:{os.cpu_count()}:{isa}"
 
 
 def menu_costs(
@@ -131,6 +138,7 @@ def menu_costs(
     shapes = [drafter.draft_shape(k) if k else None for k in menu]
     signature = {
         "machine": machine(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "target": repr(cfg),
         "dtype": str(weights.embed.dtype),
         "drafter": repr(jax.tree.structure(drafter)),

@@ -2,8 +2,11 @@ import os
 
 import pytest
 
-# Tests run on the CPU, in float32.
+from decode.cli import prefer_onednn_dots
+
+# Tests run on the CPU, in float32, with the XLA setting the decoding tools use (docs/cpu.md).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+prefer_onednn_dots()
 
 
 @pytest.fixture(scope="session")

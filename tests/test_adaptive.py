@@ -2,6 +2,7 @@
 keeps the target's distribution with plain steps among the rounds, and calibration is measured once per machine."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +139,19 @@ def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch):
     assert again.menu == first.menu and np.allclose(again.cost, first.cost)
     with pytest.raises(RuntimeError, match="measured again"):  # another batch size is another cost: measured
         calibrated(WEIGHTS, CFG, drafter, 5, batch=3, context=16, sampling=SamplingConfig())
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
+    with pytest.raises(RuntimeError, match="measured again"):  # so is another XLA setting
+        calibrated(WEIGHTS, CFG, drafter, 5, **kw)
+
+
+def test_the_machine_key_names_the_cpu_model_and_its_vector_extensions(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    for flags, isa in (
+        ("fpu sse2 avx avx2 fma", "avx2"),
+        ("avx avx2 avx512f avx512bw avx512_bf16", "avx2,avx512f,avx512_bf16"),
+    ):
+        cpuinfo.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\n")
+        assert adaptive_mod.machine(str(cpuinfo)) == f"cpu:AMD EPYC:{os.cpu_count()}:{isa}"
 
 
 def test_bad_menus_are_refused():

@@ -197,3 +197,19 @@ def test_drafting_is_adaptive_by_default(tiny_folder, tmp_path, monkeypatch, cap
     assert sum(stats["rounds_by_drafts"].values()) == stats["rounds"]
     code, err = run_cli(capsys, *common, "--drafter", "ngram+layerskip:1", "--lookup-tokens", "4")
     assert code == 2 and "--lookup-tokens needs a fixed --num-draft-tokens" in err
+
+
+def test_the_clis_add_onednn_dots_unless_xla_flags_set_that_option(monkeypatch):
+    from decode import cli
+
+    monkeypatch.setattr(cli.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    cli.prefer_onednn_dots()
+    assert cli.os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 {cli.ONEDNN_DOTS}=dot"
+    monkeypatch.setenv("XLA_FLAGS", f"{cli.ONEDNN_DOTS}=")
+    cli.prefer_onednn_dots()
+    assert cli.os.environ["XLA_FLAGS"] == f"{cli.ONEDNN_DOTS}="
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setattr(cli.platform, "machine", lambda: "aarch64")
+    cli.prefer_onednn_dots()
+    assert "XLA_FLAGS" not in cli.os.environ
