@@ -78,6 +78,13 @@ def choose(adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, running
     return jnp.argmax(gain / adaptive.cost).astype(jnp.int32)
 
 
+def never_drafts(adaptive: Adaptive, depths: Sequence[int]) -> bool:
+    """Whether every round of the loop would be a plain step. Every row's estimate starts at the prior, and a plain
+    step moves it toward the prior, so it stays there: if the choice at the prior is the plain step, no round ever
+    drafts, and plain decoding gives the same output without the loop's overhead."""
+    return depths[0] == 0 and int(choose(adaptive, depths, adaptive.prior[None], jnp.ones((1,), bool))) == 0
+
+
 def observe(adaptive: Adaptive, rate_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array) -> jax.Array:
     """The running rows' estimates after a round `depth` deep (static) in which they accepted n_b drafts."""
     if depth == 0:

@@ -33,12 +33,13 @@ import jax
 import jax.numpy as jnp
 
 from specjax.acceptance import accept
-from specjax.adaptive import Adaptive, choose, observe
+from specjax.adaptive import Adaptive, choose, never_drafts, observe
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.defaults import MAX_DRAFT_TOKENS
 from specjax.drafters.base import Drafter
 from specjax.errors import InputError
-from specjax.generate import Completion, _compiled, _is_eos, completions, prefill, prepare_batch
+from specjax.generate import Completion, GenerateResult, _compiled, _is_eos, completions, prefill, prepare_batch
+from specjax.generate import generate as plain_generate
 from specjax.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.sampling import Sampling, sample
@@ -254,6 +255,14 @@ class SpecResult:
         return sum(len(c.output_ids) for c in self.completions)
 
 
+def as_plain_rounds(plain: GenerateResult, menu: Sequence[int], depth: int) -> SpecResult:
+    """Plain decoding's result as a speculative one whose every round was the menu's plain step (`never_drafts`)."""
+    steps = [len(c.output_ids) - 1 for c in plain.completions]  # the first token comes with the prefill
+    stats = SpecStats.from_histogram(max(steps, default=0), [sum(steps)] + [0] * depth, plain.new_tokens, plain.seconds)
+    stats = dataclasses.replace(stats, rounds_by_drafts={k: stats.rounds if k == 0 else 0 for k in menu})
+    return SpecResult(plain.completions, plain.seconds, plain.compile_seconds, stats)
+
+
 def check_inputs(cfg: ModelConfig, drafter: Drafter, num_draft_tokens: int | Adaptive) -> None:
     """Raises InputError for a drafter that cannot serve this target, a chain of K out of range, or an adaptive menu
     with a plain step for a drafter that cannot follow one."""
@@ -298,7 +307,8 @@ def generate(
       drafter: an NgramDrafter, LayerSkipDrafter, ModelDrafter, Eagle3Drafter or any other `Drafter`.
       num_draft_tokens: K, drafts per round (1..MAX_DRAFT_TOKENS): the drafter's `draft_shape(K)` sets each round's
         draft, a chain of K, or a tree drafter's own tree whatever K. Or an `Adaptive` menu
-        (`specjax.adaptive.calibrated`): every round picks its draft size from it.
+        (`specjax.adaptive.calibrated`): every round picks its draft size from it; where it would pick the plain
+        step in every round (`specjax.adaptive.never_drafts`), this is plain decoding.
       max_new_tokens: the most tokens generated per prompt.
       seed: PRNG seed.
       sampling: one setting for every prompt, or one per prompt; greedy by default.
@@ -310,8 +320,15 @@ def generate(
       statistics.
     """
     check_inputs(cfg, drafter, num_draft_tokens)
-    req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
     adaptive = num_draft_tokens if isinstance(num_draft_tokens, Adaptive) else None
+    depths = [drafter.draft_shape(k).depth if k else 0 for k in adaptive.menu] if adaptive is not None else []
+    if adaptive is not None and never_drafts(adaptive, depths):
+        plain = plain_generate(
+            weights, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
+            batch_size=batch_size, num_samples=num_samples,
+        )  # fmt: skip
+        return as_plain_rounds(plain, adaptive.menu, max(depths))
+    req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
     args = (weights, drafter, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed), req.sampling,
             jnp.asarray(req.active), adaptive)  # fmt: skip
     static = dict(cfg=cfg, num_draft_tokens=0 if adaptive else num_draft_tokens, max_new_tokens=max_new_tokens,

@@ -61,6 +61,27 @@ def test_greedy_output_is_identical_whatever_the_menu_picks(cost, expect, ar_bat
         assert by_size[0] < result.stats.rounds and sum(1 for r in by_size.values() if r) >= 2
 
 
+def test_where_drafting_cannot_pay_at_the_prior_plain_decoding_runs_instead_of_the_loop(ar_batch, monkeypatch):
+    """never_drafts: the loop itself would take the plain step in every round, so plain decoding replaces it."""
+    cost = [1, 50, 60, 70, 90]
+    assert adaptive_mod.never_drafts(Adaptive.of(MENU, cost), [0, 1, 2, 3, 5])
+    assert not adaptive_mod.never_drafts(Adaptive.of(MENU, [1, 1.25, 1.45, 1.6, 2.0]), [0, 1, 2, 3, 5])
+    assert not adaptive_mod.never_drafts(Adaptive.of((1, 2), [1.0, 1.2]), [1, 2])  # no plain step to fall back on
+    monkeypatch.setattr(spec, "never_drafts", lambda *args: False)
+    looped = run(cost)
+    assert looped.stats.rounds_by_drafts == {0: MAX_NEW - 1, 1: 0, 2: 0, 3: 0, 5: 0}  # the premise, in the loop
+    monkeypatch.undo()
+
+    def no_loop(*args, **kwargs):
+        raise AssertionError("the speculative loop ran")
+
+    monkeypatch.setattr(spec, "speculative_decode", no_loop)
+    result = run(cost)
+    assert [c.output_ids for c in result.completions] == ar_batch
+    assert result.stats.rounds_by_drafts == looped.stats.rounds_by_drafts
+    assert result.stats.rounds == looped.stats.rounds and result.stats.mean_accepted == 1.0
+
+
 def test_a_menu_of_plain_steps_alone_is_plain_decoding(ar_batch):
     """Calibration keeps only plain steps where drafting never pays: the loop then decodes plainly."""
     result = spec.generate(
