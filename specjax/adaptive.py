@@ -78,6 +78,11 @@ def choose(adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, running
     return jnp.argmax(gain / adaptive.cost).astype(jnp.int32)
 
 
+def menu_depths(drafter: Drafter, menu: Sequence[int]) -> list[int]:
+    """The depth of each menu entry's draft (0: the plain step)."""
+    return [drafter.draft_shape(k).depth if k else 0 for k in menu]
+
+
 def never_drafts(adaptive: Adaptive, depths: Sequence[int]) -> bool:
     """Whether every round of the loop would be a plain step. Every row's estimate starts at the prior, and a plain
     step moves it toward the prior, so it stays there: if the choice at the prior is the plain step, no round ever
@@ -192,6 +197,5 @@ def calibrated(
         sizes = sorted({k for k in ADAPTIVE_MENU if k < max_draft_tokens} | {max_draft_tokens})
     menu = ([0] if drafter.allows_plain_rounds else []) + sizes
     cost = menu_costs(weights, cfg, drafter, menu, batch=batch, context=context, sampling=sampling)
-    depths = [drafter.draft_shape(k).depth if k else 0 for k in menu]
-    keep = useful_entries(menu, depths, cost)
+    keep = useful_entries(menu, menu_depths(drafter, menu), cost)
     return Adaptive.of([menu[i] for i in keep], [cost[i] for i in keep])

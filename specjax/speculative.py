@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.acceptance import accept
-from specjax.adaptive import Adaptive, choose, never_drafts, observe
+from specjax.adaptive import Adaptive, choose, menu_depths, never_drafts, observe
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.defaults import MAX_DRAFT_TOKENS
 from specjax.drafters.base import Drafter
@@ -321,7 +321,7 @@ def generate(
     """
     check_inputs(cfg, drafter, num_draft_tokens)
     adaptive = num_draft_tokens if isinstance(num_draft_tokens, Adaptive) else None
-    depths = [drafter.draft_shape(k).depth if k else 0 for k in adaptive.menu] if adaptive is not None else []
+    depths = menu_depths(drafter, adaptive.menu) if adaptive is not None else []
     if adaptive is not None and never_drafts(adaptive, depths):
         plain = plain_generate(
             weights, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,

@@ -83,7 +83,7 @@ def test_where_drafting_cannot_pay_at_the_prior_plain_decoding_runs_instead_of_t
 
 
 def test_a_menu_of_plain_steps_alone_is_plain_decoding(ar_batch):
-    """Calibration keeps only plain steps where drafting never pays: the loop then decodes plainly."""
+    """Calibration keeps only plain steps where drafting never pays: plain decoding then runs."""
     result = spec.generate(
         WEIGHTS, CFG, PROMPTS, drafter=NgramDrafter(max_n=2), num_draft_tokens=Adaptive.of((0,), [1.0]),
         max_new_tokens=MAX_NEW, eos_ids=(),
