@@ -47,6 +47,7 @@ class ModeRun:
     rounds_by_drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # speculative modes
     breakdown: dict | None = None  # speculative modes with a fixed K: where a round's time goes (specjax.calibrate)
     forwards: int = 0  # target forwards, each reading every weight once: the prefill, then a step or a round
+    repeats: int = 1  # times every batch was timed; the statistics and outputs are those of one pass
 
     def summary(self, ar: ModeRun | None, greedy: bool, weight_bytes: int, bandwidth: float) -> dict:
         """The mode's figures; weights read per second are weight_bytes x forwards over the total time, and their
@@ -225,22 +226,26 @@ def parse_mode(mode: str) -> tuple[str, int | str | None]:
 UNCOUNTED_FORWARDS = ("hf-pld",)
 
 
-def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int) -> dict[str, ModeRun]:
+def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int, repeats: int = 1) -> dict[str, ModeRun]:
     """Runs every mode on every batch, interleaved (batch 1 in all modes, then batch 2, ...), so that the machine's
-    drift over the run affects all modes alike. Target forwards per batch: the rounds and the prefill of a
-    speculative mode, one per token of the batch's longest output otherwise."""
+    drift over the run affects all modes alike; `repeats` times over, each repeat timed as one more batch (same
+    seeds, same outputs: the outputs and statistics are kept once). Target forwards per batch: the rounds and the
+    prefill of a speculative mode, one per token of the batch's longest output otherwise."""
     for runner in runners.values():
         runner(groups[0], max_new_tokens, seed)  # warm-up of the very executable timed next: allocator, thread pools
-    runs = {mode: ModeRun(mode, [], [], []) for mode in runners}
-    for i, group in enumerate(tqdm(groups, desc="bench", unit="batch", file=sys.stderr)):
+    runs = {mode: ModeRun(mode, [], [], [], repeats=repeats) for mode in runners}
+    batches = [(i, group) for _ in range(repeats) for i, group in enumerate(groups)]
+    for n, (i, group) in enumerate(tqdm(batches, desc="bench", unit="batch", file=sys.stderr)):
         for mode, runner in runners.items():
             outputs, seconds, *stats = runner(group, max_new_tokens, seed + i)
             run = runs[mode]
-            run.outputs += outputs
             run.batch_seconds.append(seconds)
             run.batch_tokens.append(sum(map(len, outputs)))
             if mode not in UNCOUNTED_FORWARDS:
                 run.forwards += stats[0].rounds + 1 if stats else max(map(len, outputs))
+            if n >= len(groups):  # a repeat
+                continue
+            run.outputs += outputs
             if stats:
                 hist = stats[0].accepted_histogram
                 run.histogram = [a + b for a, b in zip(run.histogram, hist)] if run.histogram else list(hist)
@@ -270,7 +275,7 @@ def add_breakdown(run: ModeRun, runner: SpeculativeRunner, batch: int, context: 
     drafter_s = drafter_seconds(runner.drafter, cfg, batch, context, runner.num_draft_tokens, runner.sampling)
     stats = speculative.SpecStats.from_histogram(run.rounds, run.histogram, sum(run.batch_tokens), 1.0)
     run.breakdown = round_breakdown(
-        costs, sum(run.batch_seconds), run.rounds, stats.mean_accepted, runner.draft_steps, drafter_s
+        costs, sum(run.batch_seconds) / run.repeats, run.rounds, stats.mean_accepted, runner.draft_steps, drafter_s
     )
 
 
@@ -346,6 +351,10 @@ def parser() -> cli.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument(
+        "--repeats", type=int, default=1,
+        help="time every batch this many times (interleaved as before); the speedups are medians over all of them",
+    )  # fmt: skip
+    p.add_argument(
         "--forward-costs", type=cli.positive_ints, default=None, metavar="T,T,...",
         help="also time the target forward over T tokens per row (e.g. 1,5,9,16), against one step",
     )  # fmt: skip
@@ -362,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not modes:
         raise InputError(f"--modes is empty; choose from {', '.join(MODES)}")
     drafting = {mode: parse_mode(mode) for mode in modes}
-    for name in ("--max-new-tokens", "--batch-size", "--num-prompts"):
+    for name in ("--max-new-tokens", "--batch-size", "--num-prompts", "--repeats"):
         cli.check_positive(name, getattr(args, name[2:].replace("-", "_")))
     given = cli.gather_prompts(args)
     prompt_set = "given" if given else args.prompt_set
@@ -402,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return MODES[base](model, sampling, eos, batch_size, **chosen)
 
     runners = {mode: prepare(mode) for mode in modes}
-    runs = measure(runners, groups, args.max_new_tokens, args.seed)
+    runs = measure(runners, groups, args.max_new_tokens, args.seed, args.repeats)
     for mode, runner in runners.items():
         if isinstance(runner, SpeculativeRunner) and not isinstance(runner.num_draft_tokens, Adaptive):
             add_breakdown(runs[mode], runner, len(groups[0]), context)
@@ -415,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "model": args.model, "prompt_set": prompt_set,
         "prompts": used, "batch_size": batch_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+        "repeats": args.repeats,
         "dtype": str(model.weights.embed.dtype), "date": time.strftime("%Y-%m-%d"),
         "num_draft_tokens": args.num_draft_tokens, "ngram": args.ngram, "lookup_tokens": args.lookup_tokens,
         "draft_layers": args.draft_layers, "eagle3": args.eagle3, "tree": args.tree or DEFAULT_TREE,

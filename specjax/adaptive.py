@@ -5,9 +5,13 @@ drafts the drafter's `draft_shape(k)`: a chain of k, or a tree drafter's own tre
 entry and `lax.switch`es between them each round, so the shapes stay fixed and nothing compiles again.
 
 The choice (`choose`). Each row keeps a running estimate r_b of its acceptance rate per draft depth. A round whose
-draft is d deep is expected to emit (1 - r^(d+1)) / (1 - r) tokens in row b (the model of Leviathan et al. 2023,
-`specjax.speedup`), and costs `cost[entry]` plain steps of this batch, measured on this machine (`menu_costs`). The
-round takes the entry with the most expected tokens of the running rows per unit of cost.
+draft is d deep is expected to emit E_b = (1 - r^(d+1)) / (1 - r) tokens in row b (the model of Leviathan et al.
+2023, `specjax.speedup`), and costs `cost[entry]` plain steps of this batch, measured on this machine (`menu_costs`).
+A batch is done when its slowest row is: kept for the rest of the decode, an entry would take cost x max_b R_b / E_b
+steps, R_b being the tokens row b may still generate. The round takes the entry for which that is least. At batch 1
+this is the most expected tokens per unit of cost; in a batch, it drafts as deep as the row furthest from its end
+gains from, since deeper drafts for rows that are ahead do not end the batch sooner (measured at batch 8: a chain of 5
+needed 72 rounds where its rows' mean was 51).
 
 The estimates (`observe`). After a round d deep in which row b accepted n drafts, r_b moves toward n / min(n + 1, d),
 the share of the depths it tried that it accepted, by OBSERVE_WEIGHT. After a plain step it drifts toward the prior
@@ -72,10 +76,17 @@ def expected_tokens(rate_b: jax.Array, depth: int) -> jax.Array:
     return (1 - r ** (depth + 1)) / (1 - r)
 
 
-def choose(adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, running_b: jax.Array) -> jax.Array:
-    """The menu entry with the most expected tokens of the running rows per unit of cost (int32 [])."""
-    gain = jnp.stack([jnp.sum(jnp.where(running_b, expected_tokens(rate_b, d), 0.0)) for d in depths])
-    return jnp.argmax(gain / adaptive.cost).astype(jnp.int32)
+def choose(adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, remaining_b: jax.Array) -> jax.Array:
+    """The menu entry that would end the batch soonest (int32 []): least cost x the rounds its slowest row needs.
+
+    Args:
+      adaptive: the menu and its costs.
+      depths: each entry's draft depth (`menu_depths`).
+      rate_b: float32 [B] the rows' acceptance estimates.
+      remaining_b: [B] tokens each row may still generate; 0 for a finished row, which does not count.
+    """
+    rounds = jnp.stack([jnp.max(remaining_b / expected_tokens(rate_b, d)) for d in depths])
+    return jnp.argmin(rounds * adaptive.cost).astype(jnp.int32)
 
 
 def menu_depths(drafter: Drafter, menu: Sequence[int]) -> list[int]:
@@ -87,7 +98,7 @@ def never_drafts(adaptive: Adaptive, depths: Sequence[int]) -> bool:
     """Whether every round of the loop would be a plain step. Every row's estimate starts at the prior, and a plain
     step moves it toward the prior, so it stays there: if the choice at the prior is the plain step, no round ever
     drafts, and plain decoding gives the same output without the loop's overhead."""
-    return depths[0] == 0 and int(choose(adaptive, depths, adaptive.prior[None], jnp.ones((1,), bool))) == 0
+    return depths[0] == 0 and int(choose(adaptive, depths, adaptive.prior[None], jnp.ones((1,)))) == 0
 
 
 def observe(adaptive: Adaptive, rate_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array) -> jax.Array:
@@ -140,12 +151,12 @@ def menu_costs(
     batch: int,
     context: int,
     sampling: SamplingConfig,
-    reps: int = 5,
+    reps: int = 7,
 ) -> list[float]:
     """The cost of a round of each menu entry in plain decoding steps: the target's forward over the entry's
     verified tokens plus the drafter's own work (`specjax.calibrate`), measured once per machine, model shapes,
     drafter, batch, context and greedy-or-sampled, then read from `$SPECJAX_CACHE/calibration`."""
-    from specjax.calibrate import drafter_seconds, forward_seconds
+    from specjax.calibrate import drafter_timer, forward_timers, interleaved_medians
 
     shapes = [drafter.draft_shape(k) if k else None for k in menu]
     signature = {
@@ -165,13 +176,12 @@ def menu_costs(
     if path.is_file():
         return json.loads(path.read_text())["cost"]
     verified = [1 if s is None else s.budget for s in shapes]
-    forward = forward_seconds(weights, cfg, batch, context, sorted(set(verified)), reps)
-    forward_at = dict(zip(sorted(set(verified)), forward))
-    cost = [
-        (forward_at[v] + (drafter_seconds(drafter, cfg, batch, context, k, sampling, reps) if k else 0.0))
-        / forward_at[1]
-        for k, v in zip(menu, verified)
-    ]
+    counts, drafting = sorted(set(verified)), [k for k in menu if k]
+    timers = forward_timers(weights, cfg, batch, context, counts)
+    timers += [drafter_timer(drafter, cfg, batch, context, k, sampling) for k in drafting]
+    seconds = interleaved_medians(timers, reps)
+    forward_at, drafter_at = dict(zip(counts, seconds)), dict(zip(drafting, seconds[len(counts) :]))
+    cost = [(forward_at[v] + drafter_at.get(k, 0.0)) / forward_at[1] for k, v in zip(menu, verified)]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**signature, "cost": cost}, indent=1))

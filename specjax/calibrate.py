@@ -1,7 +1,8 @@
 """Where the time of a speculative round goes, measured: target step, verification, drafting.
 
 `forward_costs` times the target alone (one token, and K+1 tokens against the same cache; `forward_seconds` any
-token counts); `drafter_seconds` times the drafter alone (its commit of a round's verified rows, then its proposal);
+token counts); `drafter_seconds` times the drafter alone (its commit of a round's verified rows, then its proposal).
+Calls whose times are compared take turns (`interleaved_medians`), so a shared machine's slow spells cancel out;
 `round_breakdown` turns a speculative run's wall time and statistics into the draft cost ratio c and the speedup the
 model of `specjax.speedup` predicts from them, to set beside the measured speedup.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,19 +59,26 @@ def forward_seconds(
     weights: Weights, cfg: ModelConfig, batch: int, context: int, token_counts: Sequence[int], reps: int = 7
 ) -> list[float]:
     """Median wall time of the target forward over T tokens per row for each T in `token_counts`, all against one
-    cache of `context` valid slots (sized context + the largest T)."""
+    cache of `context` valid slots (sized context + the largest T), timed in turn (`interleaved_medians`)."""
+    return interleaved_medians(forward_timers(weights, cfg, batch, context, token_counts), reps)
+
+
+def forward_timers(
+    weights: Weights, cfg: ModelConfig, batch: int, context: int, token_counts: Sequence[int]
+) -> list[Callable[[], Any]]:
+    """One call per T in `token_counts`: the target forward over T tokens per row (see `forward_seconds`)."""
     cache = dataclasses.replace(
         KVCache.empty(cfg, batch, context + max(token_counts), weights.embed.dtype),
         lengths=jnp.full((batch,), context, jnp.int32),
     )
     run = jax.jit(forward, static_argnums=1)
 
-    def timed(t: int) -> float:
+    def timer(t: int) -> Callable[[], Any]:
         tokens = jnp.ones((batch, t), jnp.int32)
         positions = context + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-        return median_seconds(lambda: run(weights, cfg, tokens, positions, cache), reps)
+        return lambda: run(weights, cfg, tokens, positions, cache)
 
-    return [timed(t) for t in token_counts]
+    return [timer(t) for t in token_counts]
 
 
 def drafter_seconds(
@@ -93,6 +102,13 @@ def drafter_seconds(
       sampling: the sampling config of the run.
       reps: timed repetitions (after one warm-up).
     """
+    return median_seconds(drafter_timer(drafter, cfg, batch, context, num_draft_tokens, sampling), reps)
+
+
+def drafter_timer(
+    drafter: Drafter, cfg: ModelConfig, batch: int, context: int, num_draft_tokens: int, sampling: SamplingConfig
+) -> Callable[[], Any]:
+    """The call `drafter_seconds` times."""
     shape = drafter.draft_shape(num_draft_tokens)
     slots = context + shape.capacity
     tokens = jax.random.randint(jax.random.key(0), (batch, slots), 0, cfg.vocab_size, jnp.int32)
@@ -110,18 +126,26 @@ def drafter_seconds(
             state, tokens, lengths + 1, key, shape=shape, vocab_size=cfg.vocab_size, sampling=rows
         )
 
-    return median_seconds(lambda: one_round(drafter, state, jax.random.key(1)), reps)
+    return lambda: one_round(drafter, state, jax.random.key(1))
 
 
-def median_seconds(fn, reps: int) -> float:
+def median_seconds(fn: Callable[[], Any], reps: int) -> float:
     """Median wall time of `fn()` (a jitted call) over `reps` runs after one warm-up."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    return interleaved_medians([fn], reps)[0]
+
+
+def interleaved_medians(fns: Sequence[Callable[[], Any]], reps: int) -> list[float]:
+    """Median wall time of each jitted call over `reps` runs, after one warm-up each. The calls take turns, so a
+    machine that slows down for a while (a shared CPU) slows all of them alike and their ratios hold."""
+    for fn in fns:
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def round_breakdown(

@@ -11,14 +11,17 @@ A round has one path for every drafter (`specjax.drafters.base` has the protocol
 drafts, or a tree drafter's own tree. One target forward runs its nodes at positions length_b - 1 + depth under their
 ancestor mask; `specjax.acceptance` accepts n drafts along one path and adds one token from the target (the
 correction, or the bonus); the path's n drafts and that token are emitted, and the cache advances by n + 1.
-Rejected nodes' KV slots are simply never committed; later rounds overwrite them. A chain, known as one at trace
-time, skips what only branching trees need: its mask is the plain causal one and its accepted path already lies in
-slots length_b - 1 .. length_b - 1 + n, while a tree's path is moved there (`compact_path`). Drafters with
+The accepted path's keys and values go to slots length_b - 1 .. length_b - 1 + n; the slots after it are never
+committed, and later rounds overwrite them. A chain, known as one at trace time, skips what only branching trees
+need: its mask is the plain causal one and its nodes are already its path, while a tree's path is gathered from its
+nodes. Drafters with
 `tap_layers` get the target's taps, and `commit` sees the committed rows after the prefill and every round.
 
 With an adaptive menu (`specjax.adaptive`) the loop holds one round per menu entry, each of its own static shape,
 and `lax.switch`es to the one the rows' acceptance so far and the measured costs favour; a plain decoding step is
-the round whose draft is the pending token alone (`TreeSpec.chain(0)`).
+the round whose draft is the pending token alone (`TreeSpec.chain(0)`). A round only reads the target cache: it
+returns its accepted path's keys and values, and the loop writes them after the switch, so the cache is never
+copied into or out of a branch.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ from specjax.errors import InputError
 from specjax.generate import Completion, GenerateResult, _compiled, _is_eos, completions, prefill, prepare_batch
 from specjax.generate import generate as plain_generate
 from specjax.kv_cache import KVCache
-from specjax.models.llama import Weights, forward
+from specjax.models.llama import Weights, forward_new_kv
 from specjax.sampling import Sampling, sample
-from specjax.tree import DraftTree, TreeSpec, compact_path, path_to
+from specjax.tree import DraftTree, TreeSpec, path_to
 
 
 @jax.tree_util.register_dataclass
@@ -147,10 +150,13 @@ def speculative_decode(
     )
 
     def round_of(entry: int, shape: TreeSpec):
-        """One round drafting `shape` (static); `entry` is its place in the menu."""
+        """One round drafting `shape` (static); `entry` is its place in the menu. It returns the next state without its
+        cache, and the keys and values of the accepted path's D + 1 slots (padded past the round's own depth), which
+        `step` writes: so the cache, the largest part of the state, never passes through `lax.switch`, which copied it
+        in and out every round."""
         j = jnp.arange(shape.depth + 1)[None, :]
 
-        def run(s: SpecState) -> SpecState:
+        def run(s: SpecState) -> tuple[SpecState, jax.Array, jax.Array]:
             key, k_draft, k_accept = jax.random.split(s.key, 3)
             if shape.depth == 0:  # a plain step: the pending token alone, its next token from the target
                 pending_b = jnp.take_along_axis(s.tokens_bs, (s.length_b - 1)[:, None], axis=1)[:, 0]
@@ -163,7 +169,7 @@ def speculative_decode(
                     sampling=sampling,
                 )  # fmt: skip
             base = s.length_b - 1
-            logits, taps_btf, cache = forward(
+            logits, taps_btf, k_new, v_new = forward_new_kv(
                 weights, cfg, draft.tokens, base[:, None] + draft.depths, s.cache,
                 new_mask_btt=None if shape.is_chain else draft.ancestors, tap_layers=taps,
             )  # fmt: skip
@@ -171,9 +177,11 @@ def speculative_decode(
             path_tokens, path_taps = draft.tokens, taps_btf  # a chain's path: nodes 0 .. n, in place
             if not shape.is_chain:
                 path = path_to(draft, last, n, shape.depth)
-                cache = compact_path(cache, base, path)
                 path_tokens = jnp.take_along_axis(draft.tokens, path, axis=1)
                 path_taps = None if taps_btf is None else jnp.take_along_axis(taps_btf, path[..., None], axis=1)
+                k_new, v_new = (jnp.take_along_axis(x, path[None, :, :, None, None], axis=2) for x in (k_new, v_new))
+            to_depth = [(0, 0), (0, 0), (0, D - shape.depth), (0, 0), (0, 0)]  # every round's path: D + 1 slots
+            k_path, v_path = (jnp.pad(x, to_depth) for x in (k_new, v_new))
             # Emitted this round: the accepted drafts, then nxt; cut at the first EOS and at max_new_tokens.
             emitted = jnp.where(j < n[:, None], jnp.roll(path_tokens, -1, axis=1), nxt[:, None])
             eos_at = jnp.where(_is_eos(emitted, eos_ids) & (j <= n[:, None]), j, shape.depth + 1).min(axis=1)
@@ -188,12 +196,12 @@ def speculative_decode(
             draft_state = drafter.commit(draft_state, emitted, path_taps, count)
             running = ~s.done_b
             hist = s.accepted_hist + jnp.sum(jax.nn.one_hot(n, D + 1, dtype=jnp.int32) * running[:, None], axis=0)
-            return SpecState(
+            next_state = SpecState(
                 tokens_bs=tokens_bs,
                 length_b=s.length_b + count,
                 num_new_b=num_new,
                 done_b=done,
-                cache=cache.advance(count),
+                cache=None,
                 draft_state=draft_state,
                 key=key,
                 rounds=s.rounds + 1,
@@ -201,15 +209,21 @@ def speculative_decode(
                 menu_rounds=s.menu_rounds.at[entry].add(1),
                 rate_b=s.rate_b if adaptive is None else observe(adaptive, s.rate_b, shape.depth, n, running),
             )
+            return next_state, k_path, v_path
 
         return run
 
     rounds = [round_of(entry, shape) for entry, shape in enumerate(shapes)]
-    if len(rounds) == 1:
-        step = rounds[0]
-    else:
-        depths = [shape.depth for shape in shapes]
-        step = lambda s: jax.lax.switch(choose(adaptive, depths, s.rate_b, ~s.done_b), rounds, s)  # noqa: E731
+    depths = [shape.depth for shape in shapes]
+
+    def step(s: SpecState) -> SpecState:
+        if len(rounds) == 1:
+            next_state, k_path, v_path = rounds[0](s)
+        else:
+            remaining_b = jnp.where(s.done_b, 0, max_new_tokens - s.num_new_b)
+            next_state, k_path, v_path = jax.lax.switch(choose(adaptive, depths, s.rate_b, remaining_b), rounds, s)
+        cache = s.cache.write(k_path, v_path).advance(next_state.length_b - s.length_b)
+        return dataclasses.replace(next_state, cache=cache)
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), step, state)
     out_slots = lengths_b[:, None] + jnp.arange(max_new_tokens)[None, :]

@@ -20,7 +20,7 @@ output is exactly the target's distribution at any temperature (tests/test_eagle
 enumeration).
 
 Verification runs one target forward over all nodes (positions = pending position + depth, attention = ancestors);
-the accepted path's KV is then moved into contiguous slots (`compact_path`).
+the accepted path's keys and values are then written to contiguous slots (`specjax.speculative`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import jax.numpy as jnp
 
 from specjax.defaults import MAX_DRAFT_TOKENS, MAX_TREE_NODES, MAX_TREE_TOPK
 from specjax.errors import InputError
-from specjax.kv_cache import KVCache
 from specjax.sampling import Sampling, probabilities, process_logits
 
 
@@ -311,24 +310,3 @@ def path_to(tree: DraftTree, last_b: jax.Array, n_b: jax.Array, depth: int) -> j
         path = path.at[:, d].set(jnp.where(on, cur, last_b))
         cur = jnp.where(on & (d > 0), jnp.take_along_axis(tree.parents, cur[:, None], axis=1)[:, 0], cur)
     return path
-
-
-def compact_path(cache: KVCache, base_b: jax.Array, path_bd: jax.Array) -> KVCache:
-    """Moves the KV of the accepted path's nodes (written at slots base + node) to slots base + depth.
-
-    Args:
-      cache: the target cache after the tree forward (lengths = base).
-      base_b: int32 [B] the slot of the root.
-      path_bd: int32 [B, D + 1] the accepted path's nodes (`path_to`).
-    Returns:
-      The cache with slots base + arange(D + 1) holding the path (lengths unchanged).
-    """
-    B, D1 = path_bd.shape
-    rows = jnp.arange(B)[:, None]
-    src = base_b[:, None] + path_bd
-    dst = base_b[:, None] + jnp.arange(D1)[None, :]
-    k_path = cache.k[:, rows, src]  # [L, B, D1, K, H], gathered before any write
-    v_path = cache.v[:, rows, src]
-    return dataclasses.replace(
-        cache, k=cache.k.at[:, rows, dst].set(k_path, mode="drop"), v=cache.v.at[:, rows, dst].set(v_path, mode="drop")
-    )

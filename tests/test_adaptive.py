@@ -3,6 +3,7 @@ keeps the target's distribution with plain steps among the rounds, and calibrati
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +12,12 @@ import pytest
 
 import specjax.adaptive as adaptive_mod
 import specjax.speculative as spec
-from specjax.adaptive import Adaptive, calibrated, useful_entries
+from specjax.adaptive import Adaptive, calibrated, choose, useful_entries
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.drafters import ModelDrafter, NgramDrafter
 from specjax.errors import InputError
 from specjax.generate import generate as ar_generate
+from specjax.generate import prepare_batch
 from specjax.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
 from specjax.sampling import Sampling, probabilities
@@ -108,6 +110,23 @@ def test_the_choice_follows_the_measured_acceptance():
     assert favourite(init_weights(CFG, jax.random.key(1), scale=0.3)) == 1
 
 
+def test_the_cache_is_not_copied_through_the_switch():
+    """With two menu entries the compiled loop copies the target cache as often as with one (only where it is made):
+    a round only reads it, and the loop writes the accepted path after `lax.switch`. Written inside the branches, it
+    was copied in and out of them every round, which cost about 0.4 of a plain step at batch 8."""
+    req = prepare_batch(CFG, PROMPTS, MAX_NEW, (), None, SamplingConfig())
+
+    def cache_copies(menu: Adaptive) -> int:
+        args = (WEIGHTS, NgramDrafter(max_n=2), jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(0),
+                req.sampling, jnp.asarray(req.active), menu)  # fmt: skip
+        hlo = spec.speculative_decode.lower(*args, cfg=CFG, num_draft_tokens=0, max_new_tokens=MAX_NEW, eos_ids=())
+        slots = req.tokens.shape[1] + MAX_NEW + max(menu.menu) + 1  # the cache's: prompt, outputs, a round's draft
+        cache = f"f32[{CFG.num_layers},{len(PROMPTS)},{slots},{CFG.num_kv_heads},{CFG.head_dim}]"
+        return len(re.findall(rf"= {re.escape(cache)}{{[^}}]*}} copy\(", hlo.compile().as_text()))
+
+    assert cache_copies(Adaptive.of((0, 5), [1.0, 1.5])) == cache_copies(Adaptive.of((0,), [1.0])) <= 2  # k and v
+
+
 def test_sampled_output_keeps_the_target_distribution_with_plain_steps_among_the_rounds():
     """Exact enumeration on an 8-token model: after a first round of two drafts, the measured acceptance sends the
     rows to plain steps; the first three tokens are distributed as target sampling."""
@@ -135,6 +154,17 @@ def test_sampled_output_keeps_the_target_distribution_with_plain_steps_among_the
     assert 0.5 * np.abs(empirical - exact).sum() < bound
 
 
+def test_a_batch_drafts_as_deep_as_its_slowest_row_gains():
+    """Kept for the rest of the decode, an entry ends the batch when its slowest row ends: a row that accepts nothing
+    makes drafting useless for the batch however well the others accept; a finished row, or one near its end, does
+    not hold the batch back."""
+    menu, depths, rate = Adaptive.of((0, 5), [1.0, 1.5]), [0, 5], jnp.array([0.9, 0.0])
+    assert int(choose(menu, depths, rate, jnp.array([100, 100]))) == 0
+    assert int(choose(menu, depths, rate[:1], jnp.array([100]))) == 1  # alone, the row that accepts drafts
+    assert int(choose(menu, depths, rate, jnp.array([100, 0]))) == 1  # the other row is done
+    assert int(choose(menu, depths, rate, jnp.array([100, 2]))) == 1  # 2 tokens to go: 100 / 4.7 rounds is longer
+
+
 def test_only_entries_that_can_win_are_kept():
     assert useful_entries((0, 1, 2), (0, 1, 2), [1.0, 5.0, 1.2]) == [0, 2]  # one draft never beats both
     assert useful_entries((0, 3), (0, 3), [1.0, 1.5]) == [0, 1]
@@ -155,7 +185,7 @@ def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch):
     def measured_again(*a, **k):
         raise RuntimeError("measured again")
 
-    monkeypatch.setattr(calibrate, "forward_seconds", measured_again)
+    monkeypatch.setattr(calibrate, "interleaved_medians", measured_again)
     again = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
     assert again.menu == first.menu and np.allclose(again.cost, first.cost)
     with pytest.raises(RuntimeError, match="measured again"):  # another batch size is another cost: measured

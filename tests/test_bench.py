@@ -76,9 +76,23 @@ def test_measure_interleaves_modes_and_pairs_speedups():
     assert summary["tokens_per_s"] == pytest.approx(statistics.median([20.0, 10.0]))
 
 
+def test_repeats_time_every_batch_again_and_keep_one_pass_of_outputs():
+    calls = []
+
+    def run(group, max_new_tokens, seed):
+        calls.append((group[0], seed))
+        return [[group[0]] * 4], [9.0, 1.0, 2.0, 3.0, 4.0][len(calls) - 1]  # warm-up, then 2 batches x 2 repeats
+
+    (only,) = bench.measure({"ar": lambda *a: run(*a)}, [[5], [6]], 4, seed=3, repeats=2).values()
+    assert calls == [(5, 3), (5, 3), (6, 4), (5, 3), (6, 4)]  # each repeat: the same batches with the same seeds
+    assert only.outputs == [[5] * 4, [6] * 4] and only.repeats == 2
+    assert only.batch_seconds == [1.0, 2.0, 3.0, 4.0] and only.batch_tokens == [4] * 4
+
+
 @pytest.mark.parametrize(
     "flags, needle",
     [
+        (["--repeats", "0"], ">= 1"),
         (["--forward-costs", "0,4"], ">= 1"),
         (["--forward-costs", "a"], "integers"),
         (["--modes", "x"], "unknown mode 'x'"),

@@ -360,7 +360,7 @@ def mlp_block(lw: LayerWeights, x_btd: jax.Array, eps: float) -> jax.Array:
     return x_btd + jnp.einsum("btf,fd->btd", mlp, lw.down)
 
 
-def forward(
+def forward_new_kv(
     weights: Weights,
     cfg: ModelConfig,
     tokens_bt: jax.Array,
@@ -369,11 +369,11 @@ def forward(
     new_mask_btt: jax.Array | None = None,
     tap_layers: tuple[int, ...] = (),
     logits_at: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array | None, KVCache]:
-    """Runs the decoder on T new tokens per row against a KV cache, and writes their keys and values into it.
+) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
+    """Runs the decoder on T new tokens per row against a KV cache, which it only reads (`forward` writes).
 
-    The new tokens go to cache slots `cache.lengths + arange(T)`; `cache.lengths` is left for the caller to advance
-    (by the number of tokens it accepts), so rolling back is only not advancing it.
+    The caller writes what it keeps of the new keys and values: the speculative loop writes only a round's accepted
+    path, outside the branch that chose the round's shape, so the cache is never copied between branches.
 
     Args:
       weights: the model weights.
@@ -386,7 +386,8 @@ def forward(
         final residual stream (before the final norm).
       logits_at: optional int32 [B, R] indices into T; logits are computed only there (e.g. the last prompt token).
     Returns:
-      (logits [B, T or R, V] float32, taps [B, T, len(tap_layers) * D] or None, cache with the new KV written).
+      (logits [B, T or R, V] float32, taps [B, T, len(tap_layers) * D] or None, the new tokens' keys and values,
+      each [L, B, T, K, H]).
     """
     B, T = tokens_bt.shape
     S = cache.k.shape[2]
@@ -416,12 +417,32 @@ def forward(
     )
     if cfg.num_layers in tap_layers:
         taps = jnp.stack([x_btd if t == cfg.num_layers else taps[j] for j, t in enumerate(tap_layers)])
-    cache = cache.write(k_new, v_new)
     if logits_at is not None:
         x_btd = jnp.take_along_axis(x_btd, logits_at[:, :, None], axis=1)
     logits = lm_logits(weights, cfg, x_btd)
     taps_out = jnp.moveaxis(taps, 0, 2).reshape(B, T, -1) if tap_layers else None
-    return logits, taps_out, cache
+    return logits, taps_out, k_new, v_new
+
+
+def forward(
+    weights: Weights,
+    cfg: ModelConfig,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    cache: KVCache,
+    new_mask_btt: jax.Array | None = None,
+    tap_layers: tuple[int, ...] = (),
+    logits_at: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """`forward_new_kv`, then the new tokens' keys and values written to cache slots `cache.lengths + arange(T)`.
+
+    `cache.lengths` is left for the caller to advance (by the number of tokens it accepts), so rolling back is only
+    not advancing it. Returns (logits, taps, the cache with the new KV written).
+    """
+    logits, taps, k_new, v_new = forward_new_kv(
+        weights, cfg, tokens_bt, positions_bt, cache, new_mask_btt, tap_layers, logits_at
+    )
+    return logits, taps, cache.write(k_new, v_new)
 
 
 def head_rows(weights: Weights) -> jax.Array:
