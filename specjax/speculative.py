@@ -14,8 +14,8 @@ correction, or the bonus); the path's n drafts and that token are emitted, and t
 The accepted path's keys and values go to slots length_b - 1 .. length_b - 1 + n; the slots after it are never
 committed, and later rounds overwrite them. A chain, known as one at trace time, skips what only branching trees
 need: its mask is the plain causal one and its nodes are already its path, while a tree's path is gathered from its
-nodes. Drafters with
-`tap_layers` get the target's taps, and `commit` sees the committed rows after the prefill and every round.
+nodes. Drafters with `tap_layers` get the target's taps, and `commit` sees the committed rows after the prefill and
+every round.
 
 With an adaptive menu (`specjax.adaptive`) the loop holds one round per menu entry, each of its own static shape,
 and `lax.switch`es to the one the rows' acceptance so far and the measured costs favour; a plain decoding step is
