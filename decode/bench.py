@@ -22,7 +22,14 @@ from decode import cli
 from specjax import speculative
 from specjax.adaptive import Adaptive, machine
 from specjax.bandwidth import device_bandwidth
-from specjax.calibrate import drafter_seconds, forward_costs, forward_seconds, round_breakdown
+from specjax.calibrate import (
+    ForwardCosts,
+    drafter_timer,
+    forward_seconds,
+    forward_timers,
+    interleaved_medians,
+    round_breakdown,
+)
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.defaults import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM, DEFAULT_TREE
 from specjax.drafters import Drafter, LayerSkipDrafter, drafter_from_spec
@@ -135,7 +142,7 @@ def hf_generate(
 @dataclasses.dataclass(frozen=True)
 class SpeculativeRunner:
     """A speculative mode, prepared: decodes a batch with its drafter (a `Runner` that also returns the `SpecStats`),
-    and tells `add_breakdown` what its rounds verify and draft."""
+    and tells `add_breakdowns` what its rounds verify and draft."""
 
     model: LoadedModel
     drafter: Drafter
@@ -266,17 +273,33 @@ def forward_cost_sweep(model: LoadedModel, batch: int, context: int, token_count
     return [{"tokens": t, "ms": 1000 * s, "target_steps": s / step_s} for t, s in zip(token_counts, times)]
 
 
-def add_breakdown(run: ModeRun, runner: SpeculativeRunner, batch: int, context: int) -> None:
-    """Measures the target's step and verification costs and the drafter's own work at this shape (`batch` rows,
-    `context` committed tokens), and splits the mode's rounds with them."""
-    weights, cfg = runner.model.weights, runner.model.cfg
-    verify_tokens = runner.drafter.draft_shape(runner.num_draft_tokens).budget  # the round's nodes, root included
-    costs = forward_costs(weights, cfg, batch, context, verify_tokens)
-    drafter_s = drafter_seconds(runner.drafter, cfg, batch, context, runner.num_draft_tokens, runner.sampling)
-    stats = speculative.SpecStats.from_histogram(run.rounds, run.histogram, sum(run.batch_tokens), 1.0)
-    run.breakdown = round_breakdown(
-        costs, sum(run.batch_seconds) / run.repeats, run.rounds, stats.mean_accepted, runner.draft_steps, drafter_s
-    )
+def add_breakdowns(runs: dict[str, ModeRun], runners: dict[str, Runner], batch: int, context: int) -> None:
+    """Measures the target's step and verification costs and the drafter of every fixed-K speculative mode alone,
+    at this shape (`batch` rows, `context` committed tokens), all timed in turn (`interleaved_medians`) so that the
+    modes' drafters compare on a shared machine, and splits each such mode's rounds with them."""
+    fixed = {
+        mode: runner
+        for mode, runner in runners.items()
+        if isinstance(runner, SpeculativeRunner) and not isinstance(runner.num_draft_tokens, Adaptive)
+    }
+    if not fixed:
+        return
+    model = next(iter(fixed.values())).model
+    verified = {mode: r.drafter.draft_shape(r.num_draft_tokens).budget for mode, r in fixed.items()}  # root included
+    counts = sorted({1, *verified.values()})
+    timers = forward_timers(model.weights, model.cfg, batch, context, counts)
+    timers += [
+        drafter_timer(r.drafter, model.cfg, batch, context, r.num_draft_tokens, r.sampling) for r in fixed.values()
+    ]
+    seconds = interleaved_medians(timers, reps=7)
+    forward_at = dict(zip(counts, seconds))
+    for (mode, runner), drafter_s in zip(fixed.items(), seconds[len(counts) :]):
+        run = runs[mode]
+        stats = speculative.SpecStats.from_histogram(run.rounds, run.histogram, sum(run.batch_tokens), 1.0)
+        run.breakdown = round_breakdown(
+            ForwardCosts(forward_at[1], forward_at[verified[mode]]), sum(run.batch_seconds) / run.repeats,
+            run.rounds, stats.mean_accepted, runner.draft_steps, drafter_s,
+        )  # fmt: skip
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
@@ -412,9 +435,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     runners = {mode: prepare(mode) for mode in modes}
     runs = measure(runners, groups, args.max_new_tokens, args.seed, args.repeats)
-    for mode, runner in runners.items():
-        if isinstance(runner, SpeculativeRunner) and not isinstance(runner.num_draft_tokens, Adaptive):
-            add_breakdown(runs[mode], runner, len(groups[0]), context)
+    add_breakdowns(runs, runners, len(groups[0]), context)
     ar = runs.get("ar")
     weights = weight_bytes(model.cfg, model.weights.embed.dtype)
     bandwidth, bandwidth_source = device_bandwidth()

@@ -6,7 +6,8 @@ entry and `lax.switch`es between them each round, so the shapes stay fixed and n
 
 The choice (`choose`). Each row keeps a running estimate r_b of its acceptance rate per draft depth. A round whose
 draft is d deep is expected to emit E_b = (1 - r^(d+1)) / (1 - r) tokens in row b (the model of Leviathan et al.
-2023, `specjax.speedup`), and costs `cost[entry]` plain steps of this batch, measured on this machine (`menu_costs`).
+2023, `specjax.speedup`), and costs `cost[entry]` steps of plain decoding at this batch: whole rounds of the compiled
+loop, measured on this machine (`menu_costs`).
 A batch is done when its slowest row is: kept for the rest of the decode, an entry would take cost x max_b R_b / E_b
 steps, R_b being the tokens row b may still generate. The round takes the entry for which that is least. At batch 1
 this is the most expected tokens per unit of cost; in a batch, it drafts as deep as the row furthest from its end
@@ -69,6 +70,13 @@ class Adaptive:
             raise InputError(f"the prior acceptance rate must be in [0, 1], got {prior}")
         return cls(jnp.asarray(cost, jnp.float32), jnp.float32(prior), menu)
 
+    @classmethod
+    def forcing(cls, menu: Sequence[int], entry: int) -> Adaptive:
+        """`menu` with every entry but `entry` priced out: the loop compiled for the menu runs that entry alone (the
+        costs are data, so one executable serves every entry)."""
+        cost = jnp.where(jnp.arange(len(menu)) == entry, 1.0, 1e30).astype(jnp.float32)
+        return cls(cost, jnp.float32(ADAPTIVE_PRIOR), tuple(menu))
+
 
 def expected_tokens(rate_b: jax.Array, depth: int) -> jax.Array:
     """Tokens a round of drafts `depth` deep is expected to emit per row, the correction or bonus included."""
@@ -95,10 +103,14 @@ def menu_depths(drafter: Drafter, menu: Sequence[int]) -> list[int]:
 
 
 def never_drafts(adaptive: Adaptive, depths: Sequence[int]) -> bool:
-    """Whether every round of the loop would be a plain step. Every row's estimate starts at the prior, and a plain
-    step moves it toward the prior, so it stays there: if the choice at the prior is the plain step, no round ever
-    drafts, and plain decoding gives the same output without the loop's overhead."""
-    return depths[0] == 0 and int(choose(adaptive, depths, adaptive.prior[None], jnp.ones((1,)))) == 0
+    """Whether plain decoding should replace the loop: at the prior, where every row starts, no drafting entry is
+    expected to cost less per token than a plain decoding step (the costs' unit) and than the loop's own plain step.
+    Where the loop's choice there is its plain step, no round would ever draft (a plain step moves the estimates
+    toward the prior, so they stay there); where it is a drafting entry that costs more per token than plain
+    decoding, the loop is expected to lose from its first round."""
+    per_token = [float(c / expected_tokens(adaptive.prior, d)) for c, d in zip(adaptive.cost, depths)]
+    drafting = [p for p, d in zip(per_token, depths) if d]
+    return not drafting or min(drafting) >= min([1.0] + [p for p, d in zip(per_token, depths) if not d])
 
 
 def observe(adaptive: Adaptive, rate_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array) -> jax.Array:
@@ -151,15 +163,16 @@ def menu_costs(
     batch: int,
     context: int,
     sampling: SamplingConfig,
-    reps: int = 7,
+    reps: int = 3,
 ) -> list[float]:
-    """The cost of a round of each menu entry in plain decoding steps: the target's forward over the entry's
-    verified tokens plus the drafter's own work (`specjax.calibrate`), measured once per machine, model shapes,
-    drafter, batch, context and greedy-or-sampled, then read from `$SPECJAX_CACHE/calibration`."""
-    from specjax.calibrate import drafter_timer, forward_timers, interleaved_medians
+    """The cost of a round of each menu entry in steps of plain decoding: whole rounds of the compiled loop, each
+    entry forced in turn, against the steps of the plain decoding loop (`specjax.calibrate.loop_seconds`), measured
+    once per machine, model shapes, drafter, batch, context and greedy-or-sampled, then read from
+    `$SPECJAX_CACHE/calibration`."""
+    from specjax.calibrate import loop_seconds
 
-    shapes = [drafter.draft_shape(k) if k else None for k in menu]
     signature = {
+        "method": "loop rounds",
         "machine": machine(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "target": repr(cfg),
@@ -175,13 +188,10 @@ def menu_costs(
     path = cache_dir() / "calibration" / f"{key}.json"
     if path.is_file():
         return json.loads(path.read_text())["cost"]
-    verified = [1 if s is None else s.budget for s in shapes]
-    counts, drafting = sorted(set(verified)), [k for k in menu if k]
-    timers = forward_timers(weights, cfg, batch, context, counts)
-    timers += [drafter_timer(drafter, cfg, batch, context, k, sampling) for k in drafting]
-    seconds = interleaved_medians(timers, reps)
-    forward_at, drafter_at = dict(zip(counts, seconds)), dict(zip(drafting, seconds[len(counts) :]))
-    cost = [(forward_at[v] + drafter_at.get(k, 0.0)) / forward_at[1] for k, v in zip(menu, verified)]
+    step_s, round_s = loop_seconds(
+        weights, cfg, drafter, menu, batch=batch, context=context, sampling=sampling, reps=reps
+    )
+    cost = [s / step_s for s in round_s]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**signature, "cost": cost}, indent=1))

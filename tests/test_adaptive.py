@@ -68,7 +68,13 @@ def test_where_drafting_cannot_pay_at_the_prior_plain_decoding_runs_instead_of_t
     cost = [1, 50, 60, 70, 90]
     assert adaptive_mod.never_drafts(Adaptive.of(MENU, cost), [0, 1, 2, 3, 5])
     assert not adaptive_mod.never_drafts(Adaptive.of(MENU, [1, 1.25, 1.45, 1.6, 2.0]), [0, 1, 2, 3, 5])
-    assert not adaptive_mod.never_drafts(Adaptive.of((1, 2), [1.0, 1.2]), [1, 2])  # no plain step to fall back on
+    assert not adaptive_mod.never_drafts(Adaptive.of((1, 2), [1.0, 1.2]), [1, 2])  # 0.63 steps a token: it pays
+    # The loop's plain step costs 1.3 plain decoding steps (its bookkeeping): at the prior (E = 1.96 tokens for 2
+    # drafts) the loop would draft, but a round of 2.2 steps is 1.12 a token, so plain decoding beats it.
+    assert int(choose(Adaptive.of((0, 2), [1.3, 2.2]), [0, 2], jnp.array([0.6]), jnp.ones(1))) == 1
+    assert adaptive_mod.never_drafts(Adaptive.of((0, 2), [1.3, 2.2]), [0, 2])
+    assert adaptive_mod.never_drafts(Adaptive.of((2,), [2.2]), [2])  # likewise without a plain step in the menu
+    assert not adaptive_mod.never_drafts(Adaptive.of((0, 2), [1.3, 1.8]), [0, 2])  # 0.92 a token: the loop pays
     monkeypatch.setattr(spec, "never_drafts", lambda *args: False)
     looped = run(cost)
     assert looped.stats.rounds_by_drafts == {0: MAX_NEW - 1, 1: 0, 2: 0, 3: 0, 5: 0}  # the premise, in the loop
@@ -165,6 +171,17 @@ def test_a_batch_drafts_as_deep_as_its_slowest_row_gains():
     assert int(choose(menu, depths, rate, jnp.array([100, 2]))) == 1  # 2 tokens to go: 100 / 4.7 rounds is longer
 
 
+def test_calibration_times_each_entry_alone_in_the_loop_decoding_compiles(monkeypatch):
+    """`Adaptive.forcing` prices out every entry but one; the costs are data, so one executable runs each entry."""
+    monkeypatch.setattr(spec, "never_drafts", lambda *args: False)  # the forced plain step runs in the loop too
+    kw = dict(drafter=NgramDrafter(max_n=2), max_new_tokens=MAX_NEW, eos_ids=())
+    results = [spec.generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=Adaptive.forcing(MENU, e), **kw) for e in range(5)]
+    for k, result in zip(MENU, results):
+        assert result.stats.rounds_by_drafts[k] == result.stats.rounds > 0
+        assert sum(result.stats.rounds_by_drafts.values()) == result.stats.rounds
+    assert all(result.compile_seconds == 0 for result in results[1:])  # compiled at most once, for the first
+
+
 def test_only_entries_that_can_win_are_kept():
     assert useful_entries((0, 1, 2), (0, 1, 2), [1.0, 5.0, 1.2]) == [0, 2]  # one draft never beats both
     assert useful_entries((0, 3), (0, 3), [1.0, 1.5]) == [0, 1]
@@ -178,7 +195,7 @@ def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch):
     first = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
     (record,) = tmp_path.glob("calibration/*.json")
     measured = json.loads(record.read_text())
-    assert measured["menu"] == [0, 1, 2, 3, 5] and measured["cost"][0] == 1.0  # in plain steps: a plain step is 1
+    assert measured["menu"] == [0, 1, 2, 3, 5] and all(c > 0 for c in measured["cost"])  # in plain steps
     assert first.menu and set(first.menu) <= set(measured["menu"])  # the entries that win at some rate
     import specjax.calibrate as calibrate
 

@@ -1,4 +1,4 @@
-"""specjax-train: train an EAGLE-3 draft head for a target model from a YAML config.
+"""specjax-train: train a draft for a target model (an EAGLE-3 head, or a DFlash draft) from a YAML config.
 
   specjax-train --config configs/smollm2-eagle3.yaml
                 [--stages synthesize,regenerate,vocab,features,train,evaluate,export] [section.key=value ...]
