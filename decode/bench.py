@@ -235,16 +235,18 @@ UNCOUNTED_FORWARDS = ("hf-pld",)
 
 def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int, repeats: int = 1) -> dict[str, ModeRun]:
     """Runs every mode on every batch, interleaved (batch 1 in all modes, then batch 2, ...), so that the machine's
-    drift over the run affects all modes alike; `repeats` times over, each repeat timed as one more batch (same
-    seeds, same outputs: the outputs and statistics are kept once). Target forwards per batch: the rounds and the
-    prefill of a speculative mode, one per token of the batch's longest output otherwise."""
+    drift over the run affects all modes alike, and each batch starting one mode further down the list, so that no
+    mode always runs first; `repeats` times over, each repeat timed as one more batch (same seeds, same outputs: the
+    outputs and statistics are kept once). Target forwards per batch: the rounds and the prefill of a speculative
+    mode, one per token of the batch's longest output otherwise."""
     for runner in runners.values():
         runner(groups[0], max_new_tokens, seed)  # warm-up of the very executable timed next: allocator, thread pools
     runs = {mode: ModeRun(mode, [], [], [], repeats=repeats) for mode in runners}
     batches = [(i, group) for _ in range(repeats) for i, group in enumerate(groups)]
     for n, (i, group) in enumerate(tqdm(batches, desc="bench", unit="batch", file=sys.stderr)):
-        for mode, runner in runners.items():
-            outputs, seconds, *stats = runner(group, max_new_tokens, seed + i)
+        order = list(runners)
+        for mode in order[n % len(order) :] + order[: n % len(order)]:
+            outputs, seconds, *stats = runners[mode](group, max_new_tokens, seed + i)
             run = runs[mode]
             run.batch_seconds.append(seconds)
             run.batch_tokens.append(sum(map(len, outputs)))

@@ -163,6 +163,7 @@ def menu_costs(
     batch: int,
     context: int,
     sampling: SamplingConfig,
+    new_tokens: int = 64,
     reps: int = 3,
 ) -> list[float]:
     """The cost of a round of each menu entry in steps of plain decoding: whole rounds of the compiled loop, each
@@ -183,13 +184,14 @@ def menu_costs(
         "batch": batch,
         "context": context,
         "greedy": sampling.greedy,
+        "new_tokens": new_tokens,
     }
     key = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_dir() / "calibration" / f"{key}.json"
     if path.is_file():
         return json.loads(path.read_text())["cost"]
     step_s, round_s = loop_seconds(
-        weights, cfg, drafter, menu, batch=batch, context=context, sampling=sampling, reps=reps
+        weights, cfg, drafter, menu, batch=batch, context=context, sampling=sampling, new_tokens=new_tokens, reps=reps
     )
     cost = [s / step_s for s in round_s]
     path.parent.mkdir(parents=True, exist_ok=True)

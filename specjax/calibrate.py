@@ -144,7 +144,7 @@ def loop_seconds(
     batch: int,
     context: int,
     sampling: SamplingConfig,
-    new_tokens: int = 32,
+    new_tokens: int = 64,
     reps: int = 3,
 ) -> tuple[float, list[float]]:
     """Seconds of one step of the plain decoding loop, and of one round of each entry of an adaptive menu inside

@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +74,15 @@ class SpecOutput:
     accepted_hist: jax.Array  # [D + 1]
     menu_rounds: jax.Array  # [S]
     state: SpecState  # the final state (target cache, token buffer) for inspection
+
+
+class Path(NamedTuple):
+    """A round's accepted path, padded to D + 1 rows: what `step` writes after the round."""
+
+    k: jax.Array  # [L, B, D + 1, K, H] target keys of the path's nodes
+    v: jax.Array
+    tokens: jax.Array  # [B, D + 1] emitted tokens (the first `count` are committed)
+    taps: jax.Array | None  # [B, D + 1, F] the target's taps at the path's nodes (drafters with tap_layers)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_draft_tokens", "max_new_tokens", "eos_ids", "num_samples"))
@@ -151,12 +160,13 @@ def speculative_decode(
 
     def round_of(entry: int, shape: TreeSpec):
         """One round drafting `shape` (static); `entry` is its place in the menu. It returns the next state without its
-        cache, and the keys and values of the accepted path's D + 1 slots (padded past the round's own depth), which
-        `step` writes: so the cache, the largest part of the state, never passes through `lax.switch`, which copied it
-        in and out every round."""
+        cache, the keys and values of the accepted path's D + 1 slots, and its emitted tokens and taps (all padded
+        past the round's own depth), which `step` writes to the cache and commits to the drafter: so the cache,
+        the largest part of the state, never passes through `lax.switch`, which copied it in and out every round,
+        and the drafter's commit runs once, outside it."""
         j = jnp.arange(shape.depth + 1)[None, :]
 
-        def run(s: SpecState) -> tuple[SpecState, jax.Array, jax.Array]:
+        def run(s: SpecState) -> tuple[SpecState, Path]:
             key, k_draft, k_accept = jax.random.split(s.key, 3)
             if shape.depth == 0:  # a plain step: the pending token alone, its next token from the target
                 pending_b = jnp.take_along_axis(s.tokens_bs, (s.length_b - 1)[:, None], axis=1)[:, 0]
@@ -182,6 +192,8 @@ def speculative_decode(
                 k_new, v_new = (jnp.take_along_axis(x, path[None, :, :, None, None], axis=2) for x in (k_new, v_new))
             to_depth = [(0, 0), (0, 0), (0, D - shape.depth), (0, 0), (0, 0)]  # every round's path: D + 1 slots
             k_path, v_path = (jnp.pad(x, to_depth) for x in (k_new, v_new))
+            if path_taps is not None:
+                path_taps = jnp.pad(path_taps, [(0, 0), (0, D - shape.depth), (0, 0)])
             # Emitted this round: the accepted drafts, then nxt; cut at the first EOS and at max_new_tokens.
             emitted = jnp.where(j < n[:, None], jnp.roll(path_tokens, -1, axis=1), nxt[:, None])
             eos_at = jnp.where(_is_eos(emitted, eos_ids) & (j <= n[:, None]), j, shape.depth + 1).min(axis=1)
@@ -193,7 +205,6 @@ def speculative_decode(
             )
             num_new = s.num_new_b + count
             done = s.done_b | (eos_at < count) | (num_new >= max_new_tokens)
-            draft_state = drafter.commit(draft_state, emitted, path_taps, count)
             running = ~s.done_b
             hist = s.accepted_hist + jnp.sum(jax.nn.one_hot(n, D + 1, dtype=jnp.int32) * running[:, None], axis=0)
             next_state = SpecState(
@@ -209,7 +220,7 @@ def speculative_decode(
                 menu_rounds=s.menu_rounds.at[entry].add(1),
                 rate_b=s.rate_b if adaptive is None else observe(adaptive, s.rate_b, shape.depth, n, running),
             )
-            return next_state, k_path, v_path
+            return next_state, Path(k_path, v_path, jnp.pad(emitted, [(0, 0), (0, D - shape.depth)]), path_taps)
 
         return run
 
@@ -218,12 +229,16 @@ def speculative_decode(
 
     def step(s: SpecState) -> SpecState:
         if len(rounds) == 1:
-            next_state, k_path, v_path = rounds[0](s)
+            next_state, path = rounds[0](s)
         else:
             remaining_b = jnp.where(s.done_b, 0, max_new_tokens - s.num_new_b)
-            next_state, k_path, v_path = jax.lax.switch(choose(adaptive, depths, s.rate_b, remaining_b), rounds, s)
-        cache = s.cache.write(k_path, v_path).advance(next_state.length_b - s.length_b)
-        return dataclasses.replace(next_state, cache=cache)
+            next_state, path = jax.lax.switch(choose(adaptive, depths, s.rate_b, remaining_b), rounds, s)
+        count = next_state.length_b - s.length_b
+        return dataclasses.replace(
+            next_state,
+            cache=s.cache.write(path.k, path.v).advance(count),
+            draft_state=drafter.commit(next_state.draft_state, path.tokens, path.taps, count),
+        )
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), step, state)
     out_slots = lengths_b[:, None] + jnp.arange(max_new_tokens)[None, :]

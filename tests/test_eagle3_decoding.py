@@ -138,7 +138,26 @@ def test_target_and_head_kv_equal_a_fresh_prefix_pass(mode, runs):
         fresh = d.commit(d.init(x, jnp.array([n]), n), jnp.asarray(toks[None, 1:]), taps, jnp.array([n]))
         np.testing.assert_allclose(head_state.cache.k[:, b, :n], fresh.cache.k[:, 0], atol=2e-5)
         np.testing.assert_allclose(head_state.cache.v[:, b, :n], fresh.cache.v[:, 0], atol=2e-5)
-        np.testing.assert_allclose(head_state.logits_bv[b], fresh.logits_bv[0], atol=1e-4)
+        np.testing.assert_allclose(d.root(head_state)[0][b], d.root(fresh)[0][0], atol=1e-4)
+
+
+def test_root_is_the_heads_output_at_the_last_committed_row():
+    """`commit` keeps keys and values and the last row's query; `root` finishes that row: the same logits and next g
+    as one head step over all the committed rows, for rows of different committed lengths."""
+    d, B, T = drafter(), 2, 7
+    key_taps, key_tokens = jax.random.split(jax.random.key(5))
+    taps = jax.random.normal(key_taps, (B, T, len(d.tap_layers) * CFG.hidden_size))
+    tokens = jax.random.randint(key_tokens, (B, T), 0, CFG.vocab_size)
+    count = jnp.array([T, 4])
+    state = d.commit(d.init(tokens, count, T + 2), tokens, taps, count)
+    logits, g = d.root(state)
+    head = d.head
+    want_logits, want_g, _ = head.step(
+        head.embed_tokens(tokens, WEIGHTS.embed), head.fuse(taps), jnp.arange(T)[None], head.empty_cache(B, T + 2)
+    )
+    rows, last = jnp.arange(B), count - 1
+    np.testing.assert_allclose(logits, want_logits[rows, last], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g, want_g[rows, last], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ class Drafter(Protocol):
           state: the drafter's state.
           next_tokens_bt: int32 [B, T] the committed token that follows each row's position (module docstring).
           taps_btf: [B, T, len(tap_layers) * D] the target's taps at those positions; None without tap layers.
-          count_b: int32 [B] rows newly committed.
+          count_b: int32 [B] rows newly committed: the first count_b[b] of the T (rows past them are padding, to
+            be ignored or written where the next commit overwrites them).
         """
 
     def propose(

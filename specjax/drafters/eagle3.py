@@ -5,6 +5,10 @@ with the embedding of token j + 1, at rotary position j, in head-cache slot j. `
 committed position from the target's own taps (after the prefill and after every verification) and advances the
 head cache, so the head's KV for committed positions never comes from drafting. Drafting writes slots past the
 committed length and never advances: the next commit overwrites them.
+
+A committed row's keys and values are all later rows read of it, so `commit` computes only those (and keeps the last
+row's query and features); the rest of the layer and the reduced LM head run for that one row when a round drafts
+(`root`). Plain decoding steps and lookup rounds of an adaptive loop never pay for them.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ def _static(default=dataclasses.MISSING):
 @dataclasses.dataclass(frozen=True)
 class Eagle3State:
     cache: KVCache  # the head's cache: lengths == the target cache's lengths (committed positions - pending)
-    logits_bv: jax.Array  # [B, Vd] draft logits of the last committed row (they predict the first draft)
-    out_bd: jax.Array  # [B, D] its pre-norm output (g of the first draft step)
+    q_bnh: jax.Array  # [B, N, Hd] the last committed row's query (its key and value are in the cache)
+    g_bd: jax.Array  # [B, D] its fused target features (`root` finishes the row from these)
 
 
 @jax.tree_util.register_dataclass
@@ -99,37 +103,57 @@ class Eagle3Drafter(BaseDrafter):
 
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> Eagle3State:
         head = self.head
+        cfg = head.cfg
         B = tokens_bp.shape[0]
-        cache = head.empty_cache(B, num_slots)
         return Eagle3State(
-            cache,
-            jnp.zeros((B, head.cfg.draft_vocab_size), jnp.float32),
-            jnp.zeros((B, head.cfg.hidden_size), head.dtype),
+            head.empty_cache(B, num_slots),
+            jnp.zeros((B, cfg.num_heads, cfg.head_dim), head.dtype),
+            jnp.zeros((B, cfg.hidden_size), head.dtype),
         )
 
     def commit(self, state: Eagle3State, next_tokens_bt, taps_btf, count_b) -> Eagle3State:
-        """Head rows for the committed positions, from the target's taps (see the module docstring)."""
+        """Head keys and values for the committed positions, from the target's taps (see the module docstring)."""
         head = self.head
-        B, T = next_tokens_bt.shape
+        T = next_tokens_bt.shape[1]
         positions = state.cache.lengths[:, None] + jnp.arange(T)[None, :]
-        embed = head.embed_tokens(next_tokens_bt, self.target_embed)
-        logits, out, cache = head.step(embed, head.fuse(taps_btf), positions, state.cache)
+        g = head.fuse(taps_btf)
+        q, k, v = head.qkv(head.embed_tokens(next_tokens_bt, self.target_embed), g, positions)
         last = jnp.maximum(count_b - 1, 0)[:, None]
-        new_logits = jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0]
-        new_out = jnp.take_along_axis(out, last[..., None], axis=1)[:, 0]
         moved = (count_b > 0)[:, None]
+        q_last = jnp.take_along_axis(q, last[..., None, None], axis=1)[:, 0]
+        g_last = jnp.take_along_axis(g, last[..., None], axis=1)[:, 0]
         return Eagle3State(
-            cache.advance(count_b),
-            jnp.where(moved, new_logits, state.logits_bv),
-            jnp.where(moved, new_out.astype(state.out_bd.dtype), state.out_bd),
+            state.cache.write(k[None], v[None]).advance(count_b),
+            jnp.where(moved[..., None], q_last.astype(state.q_bnh.dtype), state.q_bnh),
+            jnp.where(moved, g_last.astype(state.g_bd.dtype), state.g_bd),
         )
+
+    def root(self, state: Eagle3State) -> tuple[jax.Array, jax.Array]:
+        """The head's output at the last committed row: (draft logits [B, Vd] of the first draft, its next g
+        [B, D]). The row attends to the committed slots before it and to its own, as in one `head.step` over the
+        committed text."""
+        head = self.head
+        cfg = head.cfg
+        cache = state.cache
+        B, S = state.q_bnh.shape[0], cache.num_slots
+        last = cache.lengths - 1
+        rows = jnp.arange(B)
+        q = state.q_bnh.reshape(B, 1, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
+        k_cache, v_cache = cache.k[0].astype(q.dtype), cache.v[0].astype(q.dtype)
+        attn = attend(
+            q, k_cache, v_cache, k_cache[rows, last][:, None], v_cache[rows, last][:, None],
+            jnp.arange(S)[None, None, :] < last[:, None, None], jnp.ones((B, 1, 1), bool),
+        )  # fmt: skip
+        logits, g = head.readout(head.finish(state.g_bd[:, None], attn.reshape(B, 1, cfg.num_heads, cfg.head_dim)))
+        return logits[:, 0], g[:, 0]
 
     def propose(self, state: Eagle3State, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
         """Chain drafting: draft 1 from the stored logits, then K - 1 cached steps on the head's own output."""
         head = self.head
         keys = jax.random.split(key, num_draft_tokens)
         c = state.cache.lengths
-        token, probs = _draw(head, keys[0], state.logits_bv, sampling)
+        logits_bv, g_bd = self.root(state)
+        token, probs = _draw(head, keys[0], logits_bv, sampling)
         if num_draft_tokens == 1:
             return token[:, None], probs[:, None], state
 
@@ -143,7 +167,7 @@ class Eagle3Drafter(BaseDrafter):
             return (nxt, out[:, 0], cache), (nxt, probs)
 
         xs = (jnp.arange(num_draft_tokens - 1, dtype=jnp.int32), keys[1:])
-        (_, _, cache), (rest_kb, rest_kbv) = jax.lax.scan(step, (token, state.out_bd, state.cache), xs)
+        (_, _, cache), (rest_kb, rest_kbv) = jax.lax.scan(step, (token, g_bd, state.cache), xs)
         cache = dataclasses.replace(cache, lengths=c)
         tokens_bk = jnp.concatenate([token[:, None], rest_kb.T], axis=1)
         probs_bkv = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_kbv, 0, 1)], axis=1)
@@ -164,7 +188,8 @@ class Eagle3Drafter(BaseDrafter):
         c = state.cache.lengths
         S = state.cache.num_slots
         slots = jnp.arange(S)[None, None, :]
-        node_out = jnp.zeros((B, M, cfg.hidden_size), state.out_bd.dtype).at[:, 0].set(state.out_bd)
+        root_logits_bv, root_g_bd = self.root(state)
+        node_out = jnp.zeros((B, M, cfg.hidden_size), root_g_bd.dtype).at[:, 0].set(root_g_bd)
         rows = jnp.arange(B)[:, None]
 
         def expand(tree: DraftTree, nodes_bf, ok_bf, aux):
@@ -196,7 +221,7 @@ class Eagle3Drafter(BaseDrafter):
             return logits, (cache, node_out)
 
         tree, (cache, _) = grow_tree(
-            key, pending_b, state.logits_bv, expand, (state.cache, node_out), shape, sampling,
+            key, pending_b, root_logits_bv, expand, (state.cache, node_out), shape, sampling,
             vocab_ids=head.target_ids_of_draft_vocab(),
         )  # fmt: skip
         return tree, dataclasses.replace(state, cache=cache)
