@@ -26,7 +26,6 @@ from specjax.drafters.base import BaseDrafter, draw
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
 from specjax.models.eagle3 import Eagle3Head
-from specjax.models.llama import attend
 from specjax.sampling import Sampling
 from specjax.tree import DraftTree, TreeSpec, grow_tree
 
@@ -132,19 +131,15 @@ class Eagle3Drafter(BaseDrafter):
         """The head's output at the last committed row: (draft logits [B, Vd] of the first draft, its next g
         [B, D]). The row attends to the committed slots before it and to its own, as in one `head.step` over the
         committed text."""
-        head = self.head
-        cfg = head.cfg
         cache = state.cache
         B, S = state.q_bnh.shape[0], cache.num_slots
         last = cache.lengths - 1
         rows = jnp.arange(B)
-        q = state.q_bnh.reshape(B, 1, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
-        k_cache, v_cache = cache.k[0].astype(q.dtype), cache.v[0].astype(q.dtype)
-        attn = attend(
-            q, k_cache, v_cache, k_cache[rows, last][:, None], v_cache[rows, last][:, None],
+        k_last, v_last = (x[0, rows, last][:, None].astype(state.q_bnh.dtype) for x in (cache.k, cache.v))
+        logits, g = self.head.attend_and_read(
+            state.q_bnh[:, None], state.g_bd[:, None], cache, k_last, v_last,
             jnp.arange(S)[None, None, :] < last[:, None, None], jnp.ones((B, 1, 1), bool),
         )  # fmt: skip
-        logits, g = head.readout(head.finish(state.g_bd[:, None], attn.reshape(B, 1, cfg.num_heads, cfg.head_dim)))
         return logits[:, 0], g[:, 0]
 
     def propose(self, state: Eagle3State, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
@@ -205,12 +200,9 @@ class Eagle3Drafter(BaseDrafter):
             in_tree = (tree_idx >= 1) & (tree_idx < M) & (tree_idx != nodes_bf[..., None])
             anc_at = jnp.take_along_axis(anc, jnp.clip(tree_idx, 0, M - 1).astype(jnp.int32).repeat(f, 1), axis=2)
             cache_mask = (slots < c[:, None, None]) | (in_tree & anc_at)
-            q = q.reshape(B, f, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
-            attn = attend(
-                q, cache.k[0].astype(k.dtype), cache.v[0].astype(v.dtype), k, v, cache_mask,
-                jnp.broadcast_to(jnp.eye(f, dtype=bool), (B, f, f)),
-            )  # fmt: skip
-            logits, out = head.readout(head.finish(g, attn.reshape(B, f, cfg.num_heads, cfg.head_dim)))
+            logits, out = head.attend_and_read(
+                q, g, cache, k, v, cache_mask, jnp.broadcast_to(jnp.eye(f, dtype=bool), (B, f, f))
+            )
             dst = jnp.where(ok_bf, c[:, None] + nodes_bf - 1, S)
             cache = dataclasses.replace(
                 cache,

@@ -495,16 +495,31 @@ class Eagle3Head(nnx.Module):
         B, T = embed_btd.shape[:2]
         positions_bt = jnp.broadcast_to(positions_bt, (B, T))
         S = cache.num_slots
-        cfg = self.cfg
         if new_mask_btt is None:
             new_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
         cache_mask = jnp.broadcast_to(jnp.arange(S)[None, None, :] < cache.lengths[:, None, None], (B, T, S))
         q, k, v = self.qkv(embed_btd, g_btd, positions_bt)
-        q = q.reshape(B, T, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
-        k_cache, v_cache = cache.k[0].astype(k.dtype), cache.v[0].astype(v.dtype)
-        attn = attend(q, k_cache, v_cache, k, v, cache_mask, new_mask_btt)
-        logits, next_g = self.readout(self.finish(g_btd, attn.reshape(B, T, cfg.num_heads, cfg.head_dim)))
+        logits, next_g = self.attend_and_read(q, g_btd, cache, k, v, cache_mask, new_mask_btt)
         return logits, next_g, cache.write(k[None], v[None])
+
+    def attend_and_read(
+        self,
+        q_btnh: jax.Array,
+        g_btd: jax.Array,
+        cache: KVCache,
+        k_new: jax.Array,
+        v_new: jax.Array,
+        cache_mask_bts: jax.Array,
+        new_mask_btt: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The midlayer after `qkv`: the rows' queries attend to the head cache's slots and to new keys/values
+        (`llama.attend`, under the two masks), then `finish` and `readout`: (draft logits, next g)."""
+        cfg = self.cfg
+        B, T = q_btnh.shape[:2]
+        q = q_btnh.reshape(B, T, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
+        k_cache, v_cache = cache.k[0].astype(k_new.dtype), cache.v[0].astype(v_new.dtype)
+        attn = attend(q, k_cache, v_cache, k_new, v_new, cache_mask_bts, new_mask_btt)
+        return self.readout(self.finish(g_btd, attn.reshape(B, T, cfg.num_heads, cfg.head_dim)))
 
     # -- vocabularies ----------------------------------------------------------------------------------------
 
