@@ -14,14 +14,22 @@ this is the most expected tokens per unit of cost; in a batch, it drafts as deep
 gains from, since deeper drafts for rows that are ahead do not end the batch sooner (measured at batch 8: a chain of 5
 needed 72 rounds where its rows' mean was 51).
 
-The estimates (`observe`). After a round d deep in which row b accepted n drafts, r_b moves toward n / min(n + 1, d),
-the share of the depths it tried that it accepted, by OBSERVE_WEIGHT. After a plain step it drifts toward the prior
-by PRIOR_DRIFT, so a drafter that stopped paying is tried again now and then.
+The estimates (`observe`). A drafter tells kinds of round apart (`Drafter.regime`, a function of the committed text:
+whether prompt lookup matched, say), and each row keeps one estimate per kind; a round reads and moves the estimate
+of the kind each row is in. After a round d deep in which row b accepted n drafts, its estimate moves toward
+n / min(n + 1, d), the share of the depths it tried that it accepted, by OBSERVE_WEIGHT. After a plain step it drifts
+toward the prior by PRIOR_DRIFT, so a drafter that stopped paying is tried again now and then.
 
-Exactness. The choice is a function of the estimates, which are functions of past rounds' acceptances: it is fixed
-before the round draws anything. Given the past, every round is an exact speculative round of its own shape (a plain
-step is a round of no drafts), so by induction over rounds the output is distributed as target sampling, and greedy
-output is identical to greedy decoding (docs/speculative-decoding.md).
+The prior (`Adaptive.learn`). Every row starts at the prior of each kind: ADAPTIVE_PRIOR, counted as PRIOR_WEIGHT
+tried depths, pooled with the depths tried and accepted in every earlier call it learned from (the loop returns
+them, `SpecStats.acceptance_evidence`). So a drafter that seldom pays for this traffic (sampled text for prompt
+lookup) stops being tried, and one that pays starts drafting from its first round.
+
+Exactness. The choice is a function of the estimates, which are functions of the prior (fixed before the call), the
+committed text and past rounds' acceptances: it is fixed before the round draws anything. Given the past, every
+round is an exact speculative round of its own shape (a plain step is a round of no drafts), so by induction over
+rounds the output is distributed as target sampling, and greedy output is identical to greedy decoding
+(docs/speculative-decoding.md).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.defaults import ADAPTIVE_MENU, ADAPTIVE_PRIOR, OBSERVE_WEIGHT, PRIOR_DRIFT
+from specjax.defaults import ADAPTIVE_MENU, ADAPTIVE_PRIOR, OBSERVE_WEIGHT, PRIOR_DRIFT, PRIOR_WEIGHT
 from specjax.drafters.base import Drafter
 from specjax.errors import InputError
 from specjax.io.gguf import cache_dir
@@ -52,15 +60,20 @@ _MAX_RATE = 0.999  # the geometric model's sum diverges at r = 1
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Adaptive:
-    """The menu (static) and what its entries cost (data: another calibration reuses the executable)."""
+    """The menu (static), what its entries cost and the prior (data: another calibration or prior reuses the
+    executable)."""
 
     cost: jax.Array  # float32 [S]: a round of each entry, in plain decoding steps of the same batch
-    prior: jax.Array  # float32 []: a row's acceptance rate before it has drafted
+    prior: jax.Array  # float32 [R]: a row's acceptance rate before it has drafted, per kind of round
+    seen: jax.Array  # float32 [R]: the tried depths pooled into the prior beyond PRIOR_WEIGHT (`learn`)
     menu: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # draft sizes; 0: plain step
 
     @classmethod
-    def of(cls, menu: Sequence[int], cost: Sequence[float], prior: float = ADAPTIVE_PRIOR) -> Adaptive:
-        """Validates the menu (distinct sizes >= 0, ascending) and one finite positive cost per entry."""
+    def of(
+        cls, menu: Sequence[int], cost: Sequence[float], prior: float = ADAPTIVE_PRIOR, regimes: int = 1
+    ) -> Adaptive:
+        """Validates the menu (distinct sizes >= 0, ascending) and one finite positive cost per entry; `regimes`: the
+        drafter's `num_regimes`, each starting at `prior`."""
         menu = tuple(int(k) for k in menu)
         if not menu or list(menu) != sorted(set(menu)) or menu[0] < 0:
             raise InputError(f"an adaptive menu lists distinct draft sizes >= 0 in ascending order, got {menu}")
@@ -68,14 +81,25 @@ class Adaptive:
             raise InputError(f"an adaptive menu needs one finite cost > 0 per entry, got {list(cost)} for {menu}")
         if not 0 <= prior <= 1:
             raise InputError(f"the prior acceptance rate must be in [0, 1], got {prior}")
-        return cls(jnp.asarray(cost, jnp.float32), jnp.float32(prior), menu)
+        zeros = jnp.zeros((regimes,), jnp.float32)
+        return cls(jnp.asarray(cost, jnp.float32), zeros + prior, zeros, menu)
 
     @classmethod
-    def forcing(cls, menu: Sequence[int], entry: int) -> Adaptive:
+    def forcing(cls, menu: Sequence[int], entry: int, regimes: int = 1) -> Adaptive:
         """`menu` with every entry but `entry` priced out: the loop compiled for the menu runs that entry alone (the
         costs are data, so one executable serves every entry)."""
         cost = jnp.where(jnp.arange(len(menu)) == entry, 1.0, 1e30).astype(jnp.float32)
-        return cls(cost, jnp.float32(ADAPTIVE_PRIOR), tuple(menu))
+        return dataclasses.replace(cls.of(menu, [1.0] * len(menu), regimes=regimes), cost=cost)
+
+    def learn(self, evidence: Sequence[Sequence[float]]) -> Adaptive:
+        """The prior pooled with a call's (accepted drafts, tried depths) per kind of round
+        (`SpecStats.acceptance_evidence`; none after plain decoding, which leaves it as it was)."""
+        if not len(evidence):
+            return self
+        accepted, tried = jnp.asarray(evidence, jnp.float32).T
+        weight = PRIOR_WEIGHT + self.seen
+        prior = (self.prior * weight + accepted) / (weight + tried)
+        return dataclasses.replace(self, prior=prior, seen=self.seen + tried)
 
 
 def expected_tokens(rate_b: jax.Array, depth: int) -> jax.Array:
@@ -103,23 +127,38 @@ def menu_depths(drafter: Drafter, menu: Sequence[int]) -> list[int]:
 
 
 def never_drafts(adaptive: Adaptive, depths: Sequence[int]) -> bool:
-    """Whether plain decoding should replace the loop: at the prior, where every row starts, no drafting entry is
+    """Whether plain decoding should replace the loop: at the priors, where every row starts, no drafting entry is
     expected to cost less per token than a plain decoding step (the costs' unit) and than the loop's own plain step.
     Where the loop's choice there is its plain step, no round would ever draft (a plain step moves the estimates
     toward the prior, so they stay there); where it is a drafting entry that costs more per token than plain
     decoding, the loop is expected to lose from its first round."""
-    per_token = [float(c / expected_tokens(adaptive.prior, d)) for c, d in zip(adaptive.cost, depths)]
+    prior = jnp.max(adaptive.prior)  # drafting pays at the highest prior if at any
+    per_token = [float(c / expected_tokens(prior, d)) for c, d in zip(adaptive.cost, depths)]
     drafting = [p for p, d in zip(per_token, depths) if d]
     return not drafting or min(drafting) >= min([1.0] + [p for p, d in zip(per_token, depths) if not d])
 
 
-def observe(adaptive: Adaptive, rate_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array) -> jax.Array:
-    """The running rows' estimates after a round `depth` deep (static) in which they accepted n_b drafts."""
+def observe(
+    adaptive: Adaptive, rate_br: jax.Array, regime_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array
+) -> jax.Array:
+    """The estimates [B, R] after a round `depth` deep (static) in which the running rows, each in its kind of round
+    regime_b, accepted n_b drafts: only that kind's estimate moves."""
     if depth == 0:
-        target, weight = adaptive.prior, PRIOR_DRIFT
+        target, weight = adaptive.prior[regime_b], PRIOR_DRIFT
     else:
         target, weight = n_b / jnp.minimum(n_b + 1, depth), OBSERVE_WEIGHT
-    return jnp.where(running_b, rate_b + weight * (target - rate_b), rate_b)
+    rate_b = jnp.take_along_axis(rate_br, regime_b[:, None], axis=1)[:, 0]
+    moved = rate_b + weight * (target - rate_b)
+    here = running_b[:, None] & (jnp.arange(rate_br.shape[1])[None, :] == regime_b[:, None])
+    return jnp.where(here, moved[:, None], rate_br)
+
+
+def evidence(regime_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array, regimes: int) -> jax.Array:
+    """float32 [R, 2]: a round's accepted drafts and tried depths (n + 1, or `depth` when all were accepted) per kind
+    of round, over its running rows (`Adaptive.learn`); zeros for a plain step."""
+    tried = jnp.minimum(n_b + 1, depth) if depth else jnp.zeros_like(n_b)
+    counts = jnp.stack([jnp.where(tried > 0, n_b, 0), tried], axis=1).astype(jnp.float32) * running_b[:, None]
+    return jax.ops.segment_sum(counts, regime_b, num_segments=regimes)
 
 
 def useful_entries(menu: Sequence[int], depths: Sequence[int], cost: Sequence[float]) -> list[int]:
@@ -220,4 +259,4 @@ def calibrated(
     menu = ([0] if drafter.allows_plain_rounds else []) + sizes
     cost = menu_costs(weights, cfg, drafter, menu, batch=batch, context=context, sampling=sampling)
     keep = useful_entries(menu, menu_depths(drafter, menu), cost)
-    return Adaptive.of([menu[i] for i in keep], [cost[i] for i in keep])
+    return Adaptive.of([menu[i] for i in keep], [cost[i] for i in keep], regimes=drafter.num_regimes)

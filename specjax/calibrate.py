@@ -162,7 +162,9 @@ def loop_seconds(
     static = dict(cfg=cfg, max_new_tokens=new_tokens, eos_ids=())
     ar_args = (weights, tokens, lengths, key, rows)
     ar = _compiled(decode, ar_args, static)[0]
-    spec_args = [(weights, drafter, *ar_args[1:], None, Adaptive.forcing(menu, e)) for e in range(len(menu))]
+    spec_args = [
+        (weights, drafter, *ar_args[1:], None, Adaptive.forcing(menu, e, drafter.num_regimes)) for e in range(len(menu))
+    ]
     loop = _compiled(speculative_decode, spec_args[0], dict(static, num_draft_tokens=0))[0]
     capacity = max((drafter.draft_shape(k) if k else TreeSpec.chain(0)).capacity for k in menu)
     slots = tokens.shape[1] + new_tokens + capacity

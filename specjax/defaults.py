@@ -9,11 +9,13 @@ DEFAULT_TREE = "5,3,10"  # specjax-bench's eagle3-tree mode: the fastest of thos
 CALIBRATION_DRAFT_TOKENS = 8  # `--num-draft-tokens auto`: the largest K it drafts
 
 # Adaptive drafting (specjax.adaptive): the draft sizes a chain drafter's menu offers (up to its largest K), a row's
-# acceptance rate before it has drafted, how far one round moves it, and how far a plain step moves it back.
+# acceptance rate before it has drafted and how many tried draft positions that guess counts as when earlier calls'
+# are pooled with it, how far one round moves a row's estimate, and how far a plain step moves it back.
 ADAPTIVE_MENU = (1, 2, 3, 5)
 ADAPTIVE_PRIOR = 0.6
+PRIOR_WEIGHT = 20.0
 OBSERVE_WEIGHT = 0.3
-PRIOR_DRIFT = 0.02
+PRIOR_DRIFT = 0.1
 
 EVAL_DRAFT_TOKENS = 5  # the train evaluate stage's chain
 EVAL_TREE = "5,4,24"  # the train evaluate stage's tree

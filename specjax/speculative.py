@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.acceptance import accept
-from specjax.adaptive import Adaptive, choose, menu_depths, never_drafts, observe
+from specjax.adaptive import Adaptive, choose, evidence, menu_depths, never_drafts, observe
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.defaults import MAX_DRAFT_TOKENS
 from specjax.drafters.base import Drafter
@@ -62,7 +62,8 @@ class SpecState:
     rounds: jax.Array  # [] loop iterations
     accepted_hist: jax.Array  # [D + 1] row-rounds (of rows still running) that accepted 0..D drafts (D: the depth)
     menu_rounds: jax.Array  # [S] rounds of each menu entry (one entry, K, without adaptive drafting)
-    rate_b: jax.Array  # [B] float32 running acceptance estimates (specjax.adaptive; unused without it)
+    rate_br: jax.Array  # [B, R] float32 acceptance estimates per kind of round (specjax.adaptive; unused without it)
+    evidence: jax.Array  # [R, 2] float32 accepted drafts and tried depths per kind of round (`Adaptive.learn`)
 
 
 @jax.tree_util.register_dataclass
@@ -73,6 +74,7 @@ class SpecOutput:
     rounds: jax.Array  # []
     accepted_hist: jax.Array  # [D + 1]
     menu_rounds: jax.Array  # [S]
+    evidence: jax.Array  # [R, 2]
     state: SpecState  # the final state (target cache, token buffer) for inspection
 
 
@@ -131,6 +133,9 @@ def speculative_decode(
     shapes = [drafter.draft_shape(k) if k else TreeSpec.chain(0) for k in menu]  # chain(0): a plain step
     D = max(shape.depth for shape in shapes)
     taps = drafter.tap_layers
+    R = drafter.num_regimes
+    if adaptive is not None:  # one prior for every kind of round, or one each
+        adaptive = dataclasses.replace(adaptive, prior=jnp.broadcast_to(adaptive.prior, (R,)))
     num_slots = P + max_new_tokens + max(shape.capacity for shape in shapes)
     pad = eos_ids[0] if eos_ids else 0
     # The barrier keeps XLA from constant-folding attention over the empty (all-zero) cache, which took minutes to
@@ -155,7 +160,8 @@ def speculative_decode(
         rounds=jnp.int32(0),
         accepted_hist=jnp.zeros((D + 1,), jnp.int32),
         menu_rounds=jnp.zeros((len(menu),), jnp.int32),
-        rate_b=jnp.broadcast_to(adaptive.prior if adaptive is not None else jnp.float32(0), (B,)),
+        rate_br=jnp.broadcast_to(adaptive.prior if adaptive is not None else jnp.float32(0), (B, R)),
+        evidence=jnp.zeros((R, 2), jnp.float32),
     )
 
     def round_of(entry: int, shape: TreeSpec):
@@ -166,7 +172,7 @@ def speculative_decode(
         and the drafter's commit runs once, outside it."""
         j = jnp.arange(shape.depth + 1)[None, :]
 
-        def run(s: SpecState) -> tuple[SpecState, Path]:
+        def run(s: SpecState, regime_b: jax.Array) -> tuple[SpecState, Path]:
             key, k_draft, k_accept = jax.random.split(s.key, 3)
             if shape.depth == 0:  # a plain step: the pending token alone, its next token from the target
                 pending_b = jnp.take_along_axis(s.tokens_bs, (s.length_b - 1)[:, None], axis=1)[:, 0]
@@ -207,6 +213,10 @@ def speculative_decode(
             done = s.done_b | (eos_at < count) | (num_new >= max_new_tokens)
             running = ~s.done_b
             hist = s.accepted_hist + jnp.sum(jax.nn.one_hot(n, D + 1, dtype=jnp.int32) * running[:, None], axis=0)
+            rate_br, seen = s.rate_br, s.evidence
+            if adaptive is not None:
+                rate_br = observe(adaptive, rate_br, regime_b, shape.depth, n, running)
+                seen = seen + evidence(regime_b, shape.depth, n, running, R)
             next_state = SpecState(
                 tokens_bs=tokens_bs,
                 length_b=s.length_b + count,
@@ -218,7 +228,8 @@ def speculative_decode(
                 rounds=s.rounds + 1,
                 accepted_hist=hist,
                 menu_rounds=s.menu_rounds.at[entry].add(1),
-                rate_b=s.rate_b if adaptive is None else observe(adaptive, s.rate_b, shape.depth, n, running),
+                rate_br=rate_br,
+                evidence=seen,
             )
             return next_state, Path(k_path, v_path, jnp.pad(emitted, [(0, 0), (0, D - shape.depth)]), path_taps)
 
@@ -228,11 +239,14 @@ def speculative_decode(
     depths = [shape.depth for shape in shapes]
 
     def step(s: SpecState) -> SpecState:
-        if len(rounds) == 1:
-            next_state, path = rounds[0](s)
+        if adaptive is None:
+            next_state, path = rounds[0](s, jnp.zeros((B,), jnp.int32))
         else:
+            regime_b = drafter.regime(s.draft_state, s.tokens_bs, s.length_b)
+            rate_b = jnp.take_along_axis(s.rate_br, regime_b[:, None], axis=1)[:, 0]
             remaining_b = jnp.where(s.done_b, 0, max_new_tokens - s.num_new_b)
-            next_state, path = jax.lax.switch(choose(adaptive, depths, s.rate_b, remaining_b), rounds, s)
+            entry = choose(adaptive, depths, rate_b, remaining_b)
+            next_state, path = jax.lax.switch(entry, rounds, s, regime_b)
         count = next_state.length_b - s.length_b
         return dataclasses.replace(
             next_state,
@@ -244,7 +258,7 @@ def speculative_decode(
     out_slots = lengths_b[:, None] + jnp.arange(max_new_tokens)[None, :]
     out = jnp.take_along_axis(state.tokens_bs, out_slots, axis=1)
     out = jnp.where(jnp.arange(max_new_tokens)[None, :] < state.num_new_b[:, None], out, pad)
-    return SpecOutput(out, state.num_new_b, state.rounds, state.accepted_hist, state.menu_rounds, state)
+    return SpecOutput(out, state.num_new_b, state.rounds, state.accepted_hist, state.menu_rounds, state.evidence, state)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -262,6 +276,8 @@ class SpecStats:
     new_tokens: int
     tokens_per_s: float
     rounds_by_drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # rounds of each draft size (menu)
+    # Adaptive drafting: (accepted drafts, tried depths) per kind of round, what `Adaptive.learn` pools into the prior.
+    acceptance_evidence: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_histogram(cls, rounds: int, hist: Sequence[int], new_tokens: int, seconds: float) -> SpecStats:
@@ -301,6 +317,11 @@ def check_inputs(cfg: ModelConfig, drafter: Drafter, num_draft_tokens: int | Ada
             "implement propose)"
         )
     sizes = num_draft_tokens.menu if isinstance(num_draft_tokens, Adaptive) else (num_draft_tokens,)
+    if isinstance(num_draft_tokens, Adaptive) and num_draft_tokens.prior.shape not in ((1,), (drafter.num_regimes,)):
+        raise InputError(
+            f"the adaptive menu has priors for {num_draft_tokens.prior.shape[0]} kinds of round, the drafter tells "
+            f"{drafter.num_regimes} apart: build it with Adaptive.of(..., regimes=drafter.num_regimes)"
+        )
     if 0 in sizes and not drafter.allows_plain_rounds:
         raise InputError(f"{type(drafter).__name__} cannot follow plain decoding steps: leave 0 out of the menu")
     # A menu of plain steps alone (drafting never pays here) still commits rows to the drafter: check it as for K=1.
@@ -365,13 +386,17 @@ def generate(
     compiled, compile_seconds = _compiled(speculative_decode, args, static)
     t0 = time.perf_counter()
     result = compiled(*args)
-    out, num_new, rounds, hist, by_entry = jax.device_get(
-        (result.out_bn, result.num_new_b, result.rounds, result.accepted_hist, result.menu_rounds)
+    out, num_new, rounds, hist, by_entry, seen = jax.device_get(
+        (result.out_bn, result.num_new_b, result.rounds, result.accepted_hist, result.menu_rounds, result.evidence)
     )
     seconds = time.perf_counter() - t0
     results = completions(req.row_prompts, out, num_new, req.eos)
     new_tokens = sum(len(c.output_ids) for c in results)
     stats = SpecStats.from_histogram(int(rounds), hist, new_tokens, seconds)
     menu = adaptive.menu if adaptive else (num_draft_tokens,)
-    stats = dataclasses.replace(stats, rounds_by_drafts={k: int(r) for k, r in zip(menu, by_entry)})
+    stats = dataclasses.replace(
+        stats,
+        rounds_by_drafts={k: int(r) for k, r in zip(menu, by_entry)},
+        acceptance_evidence=[(float(a), float(t)) for a, t in seen] if adaptive else [],
+    )
     return SpecResult(results, seconds, compile_seconds, stats)

@@ -1,5 +1,6 @@
-"""Adaptive drafting: the menu follows the costs and the acceptance, greedy output stays identical, sampled output
-keeps the target's distribution with plain steps among the rounds, and calibration is measured once per machine."""
+"""Adaptive drafting: the menu follows the costs and the acceptance (per kind of round), greedy output stays
+identical, sampled output keeps the target's distribution with plain steps among the rounds, the prior learns from
+earlier calls without compiling again, and calibration is measured once per machine."""
 
 import json
 import os
@@ -12,9 +13,9 @@ import pytest
 
 import specjax.adaptive as adaptive_mod
 import specjax.speculative as spec
-from specjax.adaptive import Adaptive, calibrated, choose, useful_entries
+from specjax.adaptive import Adaptive, calibrated, choose, observe, useful_entries
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters import ModelDrafter, NgramDrafter
+from specjax.drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from specjax.errors import InputError
 from specjax.generate import generate as ar_generate
 from specjax.generate import prepare_batch
@@ -171,6 +172,68 @@ def test_a_batch_drafts_as_deep_as_its_slowest_row_gains():
     assert int(choose(menu, depths, rate, jnp.array([100, 2]))) == 1  # 2 tokens to go: 100 / 4.7 rounds is longer
 
 
+def test_prompt_lookup_tells_rounds_apart_by_the_tail_it_matched():
+    tokens = jnp.asarray([[5, 6, 7, 5, 6, 0], [1, 2, 3, 0, 0, 0], [1, 2, 1, 0, 0, 0]], jnp.int32)
+    lengths = jnp.asarray([5, 3, 3], jnp.int32)
+    assert NgramDrafter(max_n=2).num_regimes == 3
+    assert NgramDrafter(max_n=2).regime((), tokens, lengths).tolist() == [2, 0, 1]  # "5 6" recurs, nothing, "1"
+    lookup_first = LookupFirstDrafter(NgramDrafter(max_n=1), n=2)
+    assert lookup_first.num_regimes == 2 and lookup_first.regime((), tokens, lengths).tolist() == [1, 0, 0]
+    assert ModelDrafter(WEIGHTS, CFG).regime((), tokens, lengths).tolist() == [0, 0, 0]  # one kind of round
+
+
+def test_a_round_moves_the_estimate_of_each_rows_kind_alone():
+    menu = Adaptive.of((0, 3), [1.0, 1.5], prior=0.6, regimes=2)
+    rate = jnp.asarray([[0.5, 0.9], [0.5, 0.9], [0.5, 0.9]])
+    regime, running = jnp.asarray([0, 1, 1]), jnp.asarray([True, True, False])
+    drafted = observe(menu, rate, regime, 3, jnp.asarray([3, 0, 0]), running)  # targets 3/3 and 0/1
+    assert np.allclose(drafted, [[0.5 + 0.3 * 0.5, 0.9], [0.5, 0.9 - 0.3 * 0.9], [0.5, 0.9]])
+    plain = observe(menu, rate, regime, 0, jnp.zeros(3, jnp.int32), running)  # toward the prior by PRIOR_DRIFT
+    assert np.allclose(plain, [[0.5 + 0.1 * 0.1, 0.9], [0.5, 0.9 - 0.1 * 0.3], [0.5, 0.9]])
+
+
+def test_the_loop_counts_the_depths_it_tried_and_accepted():
+    """A round of K drafts in which a row accepted n tried min(n + 1, K) of them: summed over the kinds of round, the
+    loop's counts agree with its histogram of accepted drafts."""
+    kw = dict(drafter=NgramDrafter(max_n=2), max_new_tokens=MAX_NEW, eos_ids=())
+    for entry, k in ((1, 1), (3, 3)):
+        stats = spec.generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=Adaptive.forcing(MENU, entry, 3), **kw).stats
+        hist = stats.accepted_histogram
+        accepted, tried = np.sum(stats.acceptance_evidence, axis=0)
+        assert len(stats.acceptance_evidence) == 3 and sum(hist) >= stats.rounds > 0  # rows still running
+        assert accepted == sum(n * h for n, h in enumerate(hist)) > 0
+        assert tried == sum(min(n + 1, k) * h for n, h in enumerate(hist))
+
+
+def test_the_prior_learns_from_earlier_calls_without_compiling_again(ar_batch):
+    """`learn` pools each kind's depths tried and accepted with the prior (counted as PRIOR_WEIGHT = 20 depths); the
+    prior is data, so the next call reuses the executable. A drafter that is never right is then not tried at all."""
+    menu = Adaptive.of((0, 1, 2), [1.0, 1.2, 1.4], prior=0.6, regimes=2)
+    learned = menu.learn([(2, 10), (0, 0)])
+    assert np.allclose(learned.prior, [(12 + 2) / 30, 0.6]) and np.allclose(learned.seen, [10, 0])
+    assert np.allclose(learned.learn([(0, 10), (0, 0)]).prior, [(12 + 2) / 40, 0.6])  # pooled: 2 of 20 tried
+    assert menu.learn([]) is menu  # plain decoding tried nothing
+
+    kw = dict(drafter=NgramDrafter(max_n=2), max_new_tokens=MAX_NEW, eos_ids=())
+    menu = Adaptive.of(MENU, [1, 1.25, 1.45, 1.6, 2.0], regimes=3)
+    first = spec.generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=menu, **kw)
+    menu = menu.learn(first.stats.acceptance_evidence)
+    assert not np.allclose(menu.prior, 0.6)
+    second = spec.generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=menu, **kw)
+    assert second.compile_seconds == 0 and [c.output_ids for c in second.completions] == ar_batch
+
+    wrong = ModelDrafter(init_weights(CFG, jax.random.key(1), scale=0.3), CFG)  # an unrelated model
+    menu = Adaptive.of((1, 2), [1.2, 1.5])  # a round of 1 draft at the prior 0.6: 0.75 steps a token
+    assert not adaptive_mod.never_drafts(menu, [1, 2])
+    for _ in range(3):
+        menu = menu.learn(
+            spec.generate(
+                WEIGHTS, CFG, PROMPTS, drafter=wrong, num_draft_tokens=menu, max_new_tokens=MAX_NEW, eos_ids=()
+            ).stats.acceptance_evidence
+        )
+    assert adaptive_mod.never_drafts(menu, [1, 2]) and float(menu.prior[0]) < 0.2
+
+
 def test_calibration_times_each_entry_alone_in_the_loop_decoding_compiles(monkeypatch):
     """`Adaptive.forcing` prices out every entry but one; the costs are data, so one executable runs each entry."""
     monkeypatch.setattr(spec, "never_drafts", lambda *args: False)  # the forced plain step runs in the loop too
@@ -228,3 +291,5 @@ def test_bad_menus_are_refused():
             Adaptive.of(menu, cost)
     with pytest.raises(InputError, match="cannot follow plain decoding steps"):
         spec.check_inputs(CFG, ModelDrafter(WEIGHTS, CFG), Adaptive.of((0, 2), [1, 1.5]))
+    with pytest.raises(InputError, match="priors for 2 kinds of round, the drafter tells 3 apart"):
+        spec.check_inputs(CFG, NgramDrafter(max_n=2), Adaptive.of((0, 2), [1, 1.5], regimes=2))

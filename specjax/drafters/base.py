@@ -49,6 +49,9 @@ class Drafter(Protocol):
     """Whether rounds without drafts (plain decoding steps, `specjax.adaptive`) may come between proposals: true when
     `commit` alone keeps the state current."""
 
+    num_regimes: int
+    """How many kinds of round `regime` tells apart; adaptive drafting keeps an acceptance estimate per row and kind."""
+
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         """Raises InputError when this drafter cannot serve `target_cfg` (host side, before compiling)."""
 
@@ -69,6 +72,11 @@ class Drafter(Protocol):
           count_b: int32 [B] rows newly committed: the first count_b[b] of the T (rows past them are padding, to
             be ignored or written where the next commit overwrites them).
         """
+
+    def regime(self, state: Any, tokens_bs: jax.Array, length_b: jax.Array) -> jax.Array:
+        """int32 [B] in [0, num_regimes): the kind of draft each row would get next, from its committed text and the
+        drafter's state (inside the jit, before the round), e.g. whether prompt lookup finds a match. Adaptive
+        drafting chooses and learns with the estimate of that kind."""
 
     def propose(
         self,
@@ -116,11 +124,12 @@ class Drafter(Protocol):
 
 class BaseDrafter:
     """The defaults of `Drafter`'s hooks, for a drafter that implements `propose` (subclasses must): chains of K
-    drafts, no taps, nothing to check, no state, nothing to commit."""
+    drafts, no taps, nothing to check, no state, nothing to commit, one kind of round."""
 
     tap_layers: tuple[int, ...] = ()
     max_draft_tokens: int | None = None
     allows_plain_rounds: bool = True
+    num_regimes: int = 1
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         """Serves any target."""
@@ -136,6 +145,10 @@ class BaseDrafter:
     def commit(self, state: Any, next_tokens_bt: jax.Array, taps_btf: jax.Array | None, count_b: jax.Array) -> Any:
         """Keeps the state."""
         return state
+
+    def regime(self, state: Any, tokens_bs: jax.Array, length_b: jax.Array) -> jax.Array:
+        """Every round is of one kind."""
+        return jnp.zeros(length_b.shape, jnp.int32)
 
     def propose_tree(self, state, tokens_bs, length_b, key, *, shape: TreeSpec, vocab_size: int, sampling):
         """The chain of `propose`'s K = shape.depth drafts, as a tree."""

@@ -26,7 +26,8 @@ class NgramDrafter(BaseDrafter):
 
     Among the earlier occurrences of the longest matching tail, the most recent one wins, and the K tokens that
     followed it are proposed. Where that continuation runs into the tail itself, it continues periodically (a
-    repetition loop is predicted to go on). Rows without any match propose their last token repeated.
+    repetition loop is predicted to go on). Rows without any match propose their last token repeated. The kind of
+    round (`regime`) is the length of the tail matched, 0 (none) to max_n: longer matches are accepted more often.
     """
 
     max_n: int = dataclasses.field(default=DEFAULT_NGRAM, metadata=dict(static=True))
@@ -35,6 +36,14 @@ class NgramDrafter(BaseDrafter):
     def __post_init__(self):
         if self.min_n < 1 or self.max_n < self.min_n:
             raise InputError(f"n-gram sizes must satisfy 1 <= min_n <= n, got n={self.max_n}, min_n={self.min_n}")
+
+    @property
+    def num_regimes(self) -> int:
+        return self.max_n + 1
+
+    def regime(self, state, tokens_bs, length_b):
+        """The length of the tail the next proposal would match (0: none)."""
+        return ngram_lookup(tokens_bs, length_b, 1, self.max_n, self.min_n)[1]
 
     def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `Drafter.propose`; `key` and `sampling` are unused (the proposal is deterministic)."""
@@ -97,11 +106,15 @@ class LookupFirstDrafter(BaseDrafter):
     `fallback_tokens` (default: all K) lets the lookup propose more tokens than the fallback drafts: copied text is
     often right for many tokens, a small drafter's guesses rarely are. The fallback drafts that many; the rest of
     its row repeats its last draft (one-hot, so still exact), filling the K slots the round verifies.
+
+    Its kinds of round (`regime`): 0, the fallback drafts; 1, the lookup proposes (copied text is accepted whole or
+    not at all, so the two need their own acceptance estimates).
     """
 
     fallback: Drafter
     n: int = dataclasses.field(default=DEFAULT_NGRAM, metadata=dict(static=True))
     fallback_tokens: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    num_regimes = 2  # a class attribute, not a field
 
     def __post_init__(self):
         if self.n < 1:
@@ -126,6 +139,9 @@ class LookupFirstDrafter(BaseDrafter):
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         self.fallback.validate(target_cfg, min(self.fallback_tokens or num_draft_tokens, num_draft_tokens))
+
+    def regime(self, state, tokens_bs, length_b):
+        return (ngram_lookup(tokens_bs, length_b, 1, self.n, self.n)[1] >= self.n).astype(jnp.int32)
 
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> Any:
         return self.fallback.init(tokens_bp, lengths_b, num_slots)
