@@ -55,7 +55,7 @@ class ModeRun:
     breakdown: dict | None = None  # speculative modes with a fixed K: where a round's time goes (specjax.calibrate)
     forwards: int = 0  # target forwards, each reading every weight once: the prefill, then a step or a round
     repeats: int = 1  # times every batch was timed; the statistics and outputs are those of one pass
-    learned_prior: list[float] | None = None  # adaptive modes: the prior per kind of round after the run
+    learned: dict | None = None  # adaptive modes: the prior per kind of round and the loop's gain, after the run
 
     def summary(self, ar: ModeRun | None, greedy: bool, weight_bytes: int, bandwidth: float) -> dict:
         """The mode's figures; weights read per second are weight_bytes x forwards over the total time, and their
@@ -83,7 +83,7 @@ class ModeRun:
             "weight_bytes_per_s": read,
             "bandwidth_fraction": None if read is None else read / bandwidth,
             **({"rounds_by_drafts": self.rounds_by_drafts} if len(self.rounds_by_drafts) > 1 else {}),
-            **({"learned_prior": self.learned_prior} if self.learned_prior else {}),
+            **({"learned": self.learned} if self.learned else {}),
             **({"breakdown": self.breakdown} if self.breakdown else {}),
         }
 
@@ -162,7 +162,7 @@ class SpeculativeRunner:
             batch_size=self.batch_size,
         )  # fmt: skip
         if isinstance(self.num_draft_tokens, Adaptive):
-            self.num_draft_tokens = self.num_draft_tokens.learn(out.stats.acceptance_evidence)
+            self.num_draft_tokens = self.num_draft_tokens.learn(out.stats)
         return [c.output_ids for c in out.completions], out.seconds, out.stats
 
 
@@ -445,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_breakdowns(runs, runners, len(groups[0]), context)
     for mode, runner in runners.items():
         if isinstance(runner, SpeculativeRunner) and isinstance(runner.num_draft_tokens, Adaptive):
-            runs[mode].learned_prior = [round(p, 3) for p in runner.num_draft_tokens.prior.tolist()]
+            runs[mode].learned = runner.num_draft_tokens.summary()
     ar = runs.get("ar")
     weights = weight_bytes(model.cfg, model.weights.embed.dtype)
     bandwidth, bandwidth_source = device_bandwidth()

@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 **kw,
             )
             if isinstance(verified, Adaptive):  # later batches start from what this one accepted
-                verified = verified.learn(out.stats.acceptance_evidence)
+                verified = verified.learn(out.stats)
             # Acceptance statistics are per batch: every result of a batch carries its batch's figures.
             spec_stats = {
                 "mean_accepted": out.stats.mean_accepted,

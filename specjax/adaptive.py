@@ -23,7 +23,10 @@ toward the prior by PRIOR_DRIFT, so a drafter that stopped paying is tried again
 The prior (`Adaptive.learn`). Every row starts at the prior of each kind: ADAPTIVE_PRIOR, counted as PRIOR_WEIGHT
 tried depths, pooled with the depths tried and accepted in every earlier call it learned from (the loop returns
 them, `SpecStats.acceptance_evidence`). So a drafter that seldom pays for this traffic (sampled text for prompt
-lookup) stops being tried, and one that pays starts drafting from its first round.
+lookup) stops being tried, and one that pays starts drafting from its first round. `learn` also keeps the loop's
+track record: the steps plain decoding would have taken for the calls' outputs, against what the loop's rounds cost
+(no round costing less than a plain decoding step). A loop that did not beat plain decoding by its own measure is not
+run again (`never_drafts`): its plain steps cost more than plain decoding's, so it can only lose.
 
 Exactness. The choice is a function of the estimates, which are functions of the prior (fixed before the call), the
 committed text and past rounds' acceptances: it is fixed before the round draws anything. Given the past, every
@@ -41,6 +44,7 @@ import math
 import os
 import platform
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +58,9 @@ from specjax.models.llama import Weights
 from specjax.speedup import expected_tokens_per_round
 from specjax.tree import TreeSpec
 
+if TYPE_CHECKING:
+    from specjax.speculative import SpecStats
+
 _MAX_RATE = 0.999  # the geometric model's sum diverges at r = 1
 
 
@@ -66,6 +73,7 @@ class Adaptive:
     cost: jax.Array  # float32 [S]: a round of each entry, in plain decoding steps of the same batch
     prior: jax.Array  # float32 [R]: a row's acceptance rate before it has drafted, per kind of round
     seen: jax.Array  # float32 [R]: the tried depths pooled into the prior beyond PRIOR_WEIGHT (`learn`)
+    track_record: jax.Array  # float32 [2]: the learned calls' plain decoding steps, and what their loops cost
     menu: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # draft sizes; 0: plain step
 
     @classmethod
@@ -82,7 +90,7 @@ class Adaptive:
         if not 0 <= prior <= 1:
             raise InputError(f"the prior acceptance rate must be in [0, 1], got {prior}")
         zeros = jnp.zeros((regimes,), jnp.float32)
-        return cls(jnp.asarray(cost, jnp.float32), zeros + prior, zeros, menu)
+        return cls(jnp.asarray(cost, jnp.float32), zeros + prior, zeros, jnp.zeros((2,), jnp.float32), menu)
 
     @classmethod
     def forcing(cls, menu: Sequence[int], entry: int, regimes: int = 1) -> Adaptive:
@@ -91,15 +99,27 @@ class Adaptive:
         cost = jnp.where(jnp.arange(len(menu)) == entry, 1.0, 1e30).astype(jnp.float32)
         return dataclasses.replace(cls.of(menu, [1.0] * len(menu), regimes=regimes), cost=cost)
 
-    def learn(self, evidence: Sequence[Sequence[float]]) -> Adaptive:
-        """The prior pooled with a call's (accepted drafts, tried depths) per kind of round
-        (`SpecStats.acceptance_evidence`; none after plain decoding, which leaves it as it was)."""
-        if not len(evidence):
+    def learn(self, stats: SpecStats) -> Adaptive:
+        """This menu after a call (`SpecStats`): each kind's prior pooled with the call's accepted drafts and tried
+        depths, and the call added to the track record. A call that ran plain decoding leaves it as it was."""
+        if not stats.acceptance_evidence:
             return self
-        accepted, tried = jnp.asarray(evidence, jnp.float32).T
+        accepted, tried = jnp.asarray(stats.acceptance_evidence, jnp.float32).T
         weight = PRIOR_WEIGHT + self.seen
         prior = (self.prior * weight + accepted) / (weight + tried)
-        return dataclasses.replace(self, prior=prior, seen=self.seen + tried)
+        rounds = jnp.asarray([stats.rounds_by_drafts[k] for k in self.menu], jnp.float32)
+        loop_steps = jnp.sum(rounds * jnp.maximum(self.cost, 1.0))
+        track_record = self.track_record + jnp.stack([jnp.float32(stats.plain_steps), loop_steps])
+        return dataclasses.replace(self, prior=prior, seen=self.seen + tried, track_record=track_record)
+
+    def summary(self) -> dict:
+        """What was learned: the prior per kind of round, and the loop's gain over plain decoding by its own costs
+        (None before it ran)."""
+        plain_steps, loop_steps = self.track_record.tolist()
+        return {
+            "prior": [round(p, 3) for p in self.prior.tolist()],
+            "loop_gain": round(plain_steps / loop_steps, 3) if loop_steps else None,
+        }
 
 
 def expected_tokens(rate_b: jax.Array, depth: int) -> jax.Array:
@@ -127,11 +147,15 @@ def menu_depths(drafter: Drafter, menu: Sequence[int]) -> list[int]:
 
 
 def never_drafts(adaptive: Adaptive, depths: Sequence[int]) -> bool:
-    """Whether plain decoding should replace the loop: at the priors, where every row starts, no drafting entry is
+    """Whether plain decoding should replace the loop: the loop's earlier calls did not beat plain decoding (its track
+    record, `Adaptive.learn`), or, at the priors, where every row starts, no drafting entry is
     expected to cost less per token than a plain decoding step (the costs' unit) and than the loop's own plain step.
     Where the loop's choice there is its plain step, no round would ever draft (a plain step moves the estimates
     toward the prior, so they stay there); where it is a drafting entry that costs more per token than plain
     decoding, the loop is expected to lose from its first round."""
+    plain_steps, loop_steps = adaptive.track_record.tolist()
+    if loop_steps and plain_steps <= loop_steps:
+        return True
     prior = jnp.max(adaptive.prior)  # drafting pays at the highest prior if at any
     per_token = [float(c / expected_tokens(prior, d)) for c, d in zip(adaptive.cost, depths)]
     drafting = [p for p, d in zip(per_token, depths) if d]
@@ -156,9 +180,10 @@ def observe(
 def evidence(regime_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array, regimes: int) -> jax.Array:
     """float32 [R, 2]: a round's accepted drafts and tried depths (n + 1, or `depth` when all were accepted) per kind
     of round, over its running rows (`Adaptive.learn`); zeros for a plain step."""
-    tried = jnp.minimum(n_b + 1, depth) if depth else jnp.zeros_like(n_b)
-    counts = jnp.stack([jnp.where(tried > 0, n_b, 0), tried], axis=1).astype(jnp.float32) * running_b[:, None]
-    return jax.ops.segment_sum(counts, regime_b, num_segments=regimes)
+    if depth == 0:
+        return jnp.zeros((regimes, 2), jnp.float32)
+    counts = jnp.stack([n_b, jnp.minimum(n_b + 1, depth)], axis=1) * running_b[:, None]
+    return jax.ops.segment_sum(counts.astype(jnp.float32), regime_b, num_segments=regimes)
 
 
 def useful_entries(menu: Sequence[int], depths: Sequence[int], cost: Sequence[float]) -> list[int]:

@@ -278,6 +278,7 @@ class SpecStats:
     rounds_by_drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # rounds of each draft size (menu)
     # Adaptive drafting: (accepted drafts, tried depths) per kind of round, what `Adaptive.learn` pools into the prior.
     acceptance_evidence: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    plain_steps: int = 0  # steps plain decoding takes for these outputs: the longest, less the prefill's token
 
     @classmethod
     def from_histogram(cls, rounds: int, hist: Sequence[int], new_tokens: int, seconds: float) -> SpecStats:
@@ -304,7 +305,8 @@ def as_plain_rounds(plain: GenerateResult, menu: Sequence[int], depth: int) -> S
     """Plain decoding's result as a speculative one whose every round was the menu's plain step (`never_drafts`)."""
     steps = [len(c.output_ids) - 1 for c in plain.completions]  # the first token comes with the prefill
     stats = SpecStats.from_histogram(max(steps, default=0), [sum(steps)] + [0] * depth, plain.new_tokens, plain.seconds)
-    stats = dataclasses.replace(stats, rounds_by_drafts={k: stats.rounds if k == 0 else 0 for k in menu})
+    rounds_by_drafts = {k: stats.rounds if k == 0 else 0 for k in menu}
+    stats = dataclasses.replace(stats, rounds_by_drafts=rounds_by_drafts, plain_steps=stats.rounds)
     return SpecResult(plain.completions, plain.seconds, plain.compile_seconds, stats)
 
 
@@ -398,5 +400,6 @@ def generate(
         stats,
         rounds_by_drafts={k: int(r) for k, r in zip(menu, by_entry)},
         acceptance_evidence=[(float(a), float(t)) for a, t in seen] if adaptive else [],
+        plain_steps=max((len(c.output_ids) for c in results), default=1) - 1,
     )
     return SpecResult(results, seconds, compile_seconds, stats)

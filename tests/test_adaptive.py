@@ -2,6 +2,7 @@
 identical, sampled output keeps the target's distribution with plain steps among the rounds, the prior learns from
 earlier calls without compiling again, and calibration is measured once per machine."""
 
+import dataclasses
 import json
 import os
 import re
@@ -205,19 +206,33 @@ def test_the_loop_counts_the_depths_it_tried_and_accepted():
         assert tried == sum(min(n + 1, k) * h for n, h in enumerate(hist))
 
 
-def test_the_prior_learns_from_earlier_calls_without_compiling_again(ar_batch):
-    """`learn` pools each kind's depths tried and accepted with the prior (counted as PRIOR_WEIGHT = 20 depths); the
-    prior is data, so the next call reuses the executable. A drafter that is never right is then not tried at all."""
-    menu = Adaptive.of((0, 1, 2), [1.0, 1.2, 1.4], prior=0.6, regimes=2)
-    learned = menu.learn([(2, 10), (0, 0)])
+def test_the_prior_and_the_track_record_learn_from_earlier_calls_without_compiling_again(ar_batch):
+    """`learn` pools each kind's depths tried and accepted with the prior (counted as PRIOR_WEIGHT = 20 depths), and
+    adds the call's plain decoding steps and the cost of its rounds (none under a plain step's) to the track record;
+    both are data, so the next call reuses the executable. A loop that did not beat plain decoding, or a drafter that
+    is never right, is then not run at all."""
+    menu = Adaptive.of((0, 1, 2), [0.9, 1.2, 1.4], prior=0.6, regimes=2)
+
+    def call(evidence, rounds, plain_steps):
+        stats = spec.SpecStats.from_histogram(sum(rounds), [1], 1, 1.0)
+        return dataclasses.replace(
+            stats, acceptance_evidence=evidence, rounds_by_drafts=dict(zip(menu.menu, rounds)), plain_steps=plain_steps
+        )
+
+    learned = menu.learn(call([(2, 10), (0, 0)], [4, 3, 3], 12))
     assert np.allclose(learned.prior, [(12 + 2) / 30, 0.6]) and np.allclose(learned.seen, [10, 0])
-    assert np.allclose(learned.learn([(0, 10), (0, 0)]).prior, [(12 + 2) / 40, 0.6])  # pooled: 2 of 20 tried
-    assert menu.learn([]) is menu  # plain decoding tried nothing
+    assert np.allclose(learned.track_record, [12, 4 * 1.0 + 3 * 1.2 + 3 * 1.4])  # 12 steps against 11.8: it paid
+    assert not adaptive_mod.never_drafts(learned, [0, 1, 2])
+    again = learned.learn(call([(0, 10), (0, 0)], [10, 0, 0], 9))  # plain steps alone: 10 against 9 steps
+    assert np.allclose(again.prior, [(12 + 2) / 40, 0.6])  # pooled: 2 of 20 tried
+    assert np.allclose(again.track_record, [21, 21.8]) and adaptive_mod.never_drafts(again, [0, 1, 2])
+    assert again.summary() == {"prior": [0.35, 0.6], "loop_gain": round(21 / 21.8, 3)}
+    assert menu.learn(call([], [5, 0, 0], 5)) is menu  # plain decoding ran: nothing tried, no loop
 
     kw = dict(drafter=NgramDrafter(max_n=2), max_new_tokens=MAX_NEW, eos_ids=())
     menu = Adaptive.of(MENU, [1, 1.25, 1.45, 1.6, 2.0], regimes=3)
     first = spec.generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=menu, **kw)
-    menu = menu.learn(first.stats.acceptance_evidence)
+    menu = menu.learn(first.stats)
     assert not np.allclose(menu.prior, 0.6)
     second = spec.generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=menu, **kw)
     assert second.compile_seconds == 0 and [c.output_ids for c in second.completions] == ar_batch
@@ -229,7 +244,7 @@ def test_the_prior_learns_from_earlier_calls_without_compiling_again(ar_batch):
         menu = menu.learn(
             spec.generate(
                 WEIGHTS, CFG, PROMPTS, drafter=wrong, num_draft_tokens=menu, max_new_tokens=MAX_NEW, eos_ids=()
-            ).stats.acceptance_evidence
+            ).stats
         )
     assert adaptive_mod.never_drafts(menu, [1, 2]) and float(menu.prior[0]) < 0.2
 

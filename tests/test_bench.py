@@ -39,8 +39,9 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
     assert "breakdown" not in rows["ngram:auto"]
     by_size = rows["ngram:auto"]["rounds_by_drafts"]  # the menu entries that win at some rate, of 0, 1, 2, 3, 5, 8
     assert set(by_size) <= {"0", "1", "2", "3", "5", "8"} and len(by_size) > 1 and sum(by_size.values()) > 0
-    prior = rows["ngram:auto"]["learned_prior"]  # learned over the batches: one per matched tail length, 0..3
-    assert len(prior) == 4 and all(0 <= p <= 1 for p in prior) and prior != [0.6] * 4
+    learned = rows["ngram:auto"]["learned"]  # over the batches: a prior per matched tail length, 0..3
+    assert len(learned["prior"]) == 4 and all(0 <= p <= 1 for p in learned["prior"]) and learned["prior"] != [0.6] * 4
+    assert learned["loop_gain"] > 0
     assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     # Weights read: one forward per token of ar (batch 1), fewer for a speculative mode; against the bandwidth.
     config = report["config"]
