@@ -7,18 +7,26 @@ entry and `lax.switch`es between them each round, so the shapes stay fixed and n
 The choice (`choose`). Each row keeps a running estimate r_b of its acceptance rate per draft depth. A round whose
 draft is d deep is expected to emit E_b = (1 - r^(d+1)) / (1 - r) tokens in row b (the model of Leviathan et al.
 2023, `specjax.speedup`), and costs `cost[entry]` steps of plain decoding at this batch: whole rounds of the compiled
-loop, measured on this machine (`menu_costs`).
-A batch is done when its slowest row is: kept for the rest of the decode, an entry would take cost x max_b R_b / E_b
-steps, R_b being the tokens row b may still generate. The round takes the entry for which that is least. At batch 1
-this is the most expected tokens per unit of cost; in a batch, it drafts as deep as the row furthest from its end
-gains from, since deeper drafts for rows that are ahead do not end the batch sooner (measured at batch 8: a chain of 5
-needed 72 rounds where its rows' mean was 51).
+loop, measured on this machine (`menu_costs`). A batch is done when its slowest row is, so the round takes the entry
+that ends the batch soonest, looking one round ahead: its cost, plus the most steps a row would still need after
+it, (R_b - E_b)+ x pace_b. R_b is the tokens row b may still generate; pace_b its steps per emitted token so far
+(`paces`: running sums of the rounds' costs and the row's tokens, each round keeping PACE_MEMORY of them, started at
+the best entry's steps per token at the prior). At batch 1 this is policy improvement for the rate of tokens per
+step: a round drafts deeper only where the extra tokens it expects are worth more, at the pace so far, than the
+extra steps; where the pace is the best entry's, that entry is the one with the most expected tokens per unit of
+cost. Near a row's end it drafts no deeper than what is left. In a batch it drafts as deep as the row furthest from
+its end gains from, since deeper drafts for rows that are ahead do not end the batch sooner (measured at batch 8: a
+chain of 5 needed 72 rounds where its rows' mean was 51); and it is the pace, not the kind of round a row is in now,
+that says which row is behind: one that copies text now but mostly drafts with a model will fall behind again.
 
-The estimates (`observe`). A drafter tells kinds of round apart (`Drafter.regime`, a function of the committed text:
-whether prompt lookup matched, say), and each row keeps one estimate per kind; a round reads and moves the estimate
-of the kind each row is in. After a round d deep in which row b accepted n drafts, its estimate moves toward
-n / min(n + 1, d), the share of the depths it tried that it accepted, by OBSERVE_WEIGHT. After a plain step it drifts
-toward the prior by PRIOR_DRIFT, so a drafter that stopped paying is tried again now and then.
+The estimates (`observe`, `rates`). A drafter tells kinds of round apart (`Drafter.regime`, a function of the
+committed text: whether prompt lookup matched, say), and each row keeps a tally per kind: the drafts it accepted and
+the depths it tried (n and min(n + 1, d) after a round d deep that accepted n), each round keeping ROW_MEMORY of the
+tally before it. Its estimate is the tally pooled with the prior, counted as ROW_PRIOR_WEIGHT tried depths: a
+ratio of sums, so a rejected first draft counts as one failed depth, not as a rate of 0 (an average of per-round
+shares n / min(n + 1, d) reads 0.31-0.38 where the rate is 0.5 and d is 2-5). A round reads and moves the tally of
+the kind each row is in; a plain step only forgets, so the estimate returns toward the prior and a drafter that
+stopped paying is tried again now and then.
 
 The prior (`Adaptive.learn`). Every row starts at the prior of each kind: ADAPTIVE_PRIOR, counted as PRIOR_WEIGHT
 tried depths, pooled with the depths tried and accepted in every earlier call it learned from (the loop returns
@@ -28,11 +36,11 @@ track record: the steps plain decoding would have taken for the calls' outputs, 
 (no round costing less than a plain decoding step). A loop that did not beat plain decoding by its own measure is not
 run again (`never_drafts`): its plain steps cost more than plain decoding's, so it can only lose.
 
-Exactness. The choice is a function of the estimates, which are functions of the prior (fixed before the call), the
-committed text and past rounds' acceptances: it is fixed before the round draws anything. Given the past, every
-round is an exact speculative round of its own shape (a plain step is a round of no drafts), so by induction over
-rounds the output is distributed as target sampling, and greedy output is identical to greedy decoding
-(docs/speculative-decoding.md).
+Exactness. The choice is a function of the estimates and the paces, which are functions of the prior and the costs
+(fixed before the call), the committed text and past rounds' entries and acceptances: it is fixed before the round
+draws anything. Given the past, every round is an exact speculative round of its own shape (a plain step is a round
+of no drafts), so by induction over rounds the output is distributed as target sampling, and greedy output is
+identical to greedy decoding (docs/speculative-decoding.md).
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.defaults import ADAPTIVE_MENU, ADAPTIVE_PRIOR, OBSERVE_WEIGHT, PRIOR_DRIFT, PRIOR_WEIGHT
+from specjax.defaults import ADAPTIVE_MENU, ADAPTIVE_PRIOR, PACE_MEMORY, PRIOR_WEIGHT, ROW_MEMORY, ROW_PRIOR_WEIGHT
 from specjax.drafters.base import Drafter
 from specjax.errors import InputError
 from specjax.io.gguf import cache_dir
@@ -128,17 +136,19 @@ def expected_tokens(rate_b: jax.Array, depth: int) -> jax.Array:
     return (1 - r ** (depth + 1)) / (1 - r)
 
 
-def choose(adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, remaining_b: jax.Array) -> jax.Array:
-    """The menu entry that would end the batch soonest (int32 []): least cost x the rounds its slowest row needs.
+def choose(adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, pace_b: jax.Array, remaining_b: jax.Array):
+    """The menu entry that would end the batch soonest (int32 []): least cost of the round plus the steps its slowest
+    row would still need after it, at that row's pace.
 
     Args:
       adaptive: the menu and its costs.
       depths: each entry's draft depth (`menu_depths`).
-      rate_b: float32 [B] the rows' acceptance estimates.
+      rate_b: float32 [B] the rows' acceptance estimates for the kind of round each is in (`rates`).
+      pace_b: float32 [B] the rows' steps per emitted token so far (`paces`).
       remaining_b: [B] tokens each row may still generate; 0 for a finished row, which does not count.
     """
-    rounds = jnp.stack([jnp.max(remaining_b / expected_tokens(rate_b, d)) for d in depths])
-    return jnp.argmin(rounds * adaptive.cost).astype(jnp.int32)
+    after = [jnp.max(pace_b * jnp.maximum(remaining_b - expected_tokens(rate_b, d), 0)) for d in depths]
+    return jnp.argmin(adaptive.cost + jnp.stack(after)).astype(jnp.int32)
 
 
 def menu_depths(drafter: Drafter, menu: Sequence[int]) -> list[int]:
@@ -162,28 +172,51 @@ def never_drafts(adaptive: Adaptive, depths: Sequence[int]) -> bool:
     return not drafting or min(drafting) >= min([1.0] + [p for p, d in zip(per_token, depths) if not d])
 
 
-def observe(
-    adaptive: Adaptive, rate_br: jax.Array, regime_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array
-) -> jax.Array:
-    """The estimates [B, R] after a round `depth` deep (static) in which the running rows, each in its kind of round
-    regime_b, accepted n_b drafts: only that kind's estimate moves."""
-    if depth == 0:
-        target, weight = adaptive.prior[regime_b], PRIOR_DRIFT
-    else:
-        target, weight = n_b / jnp.minimum(n_b + 1, depth), OBSERVE_WEIGHT
-    rate_b = jnp.take_along_axis(rate_br, regime_b[:, None], axis=1)[:, 0]
-    moved = rate_b + weight * (target - rate_b)
-    here = running_b[:, None] & (jnp.arange(rate_br.shape[1])[None, :] == regime_b[:, None])
-    return jnp.where(here, moved[:, None], rate_br)
+def counts(depth: int, n_b: jax.Array) -> jax.Array:
+    """float32 [B, 2]: a round's accepted drafts and tried depths per row (n, and n + 1 or `depth` when all were
+    accepted); zeros for a plain step."""
+    return jnp.stack([n_b, jnp.minimum(n_b + 1, depth)], axis=1).astype(jnp.float32)
+
+
+def rates(adaptive: Adaptive, tally_brc: jax.Array) -> jax.Array:
+    """float32 [B, R]: each row's acceptance estimate per kind of round, its tally [B, R, (accepted, tried)] pooled
+    with the prior."""
+    return (adaptive.prior * ROW_PRIOR_WEIGHT + tally_brc[..., 0]) / (ROW_PRIOR_WEIGHT + tally_brc[..., 1])
+
+
+def first_pace(adaptive: Adaptive, depths: Sequence[int], batch: int) -> jax.Array:
+    """float32 [B, 2]: every row's pace before its first round, as (steps, tokens) counting ROW_PRIOR_WEIGHT tokens:
+    the fewest steps per token an entry is expected to take at the priors, pooled as `learn` weighed them."""
+    weight = PRIOR_WEIGHT + adaptive.seen * jnp.ones_like(adaptive.prior)
+    prior = jnp.sum(adaptive.prior * weight) / jnp.sum(weight)
+    pace = jnp.min(jnp.stack([c / expected_tokens(prior, d) for c, d in zip(adaptive.cost, depths)]))
+    return jnp.broadcast_to(jnp.stack([pace, 1.0]) * ROW_PRIOR_WEIGHT, (batch, 2))
+
+
+def paces(pace_b2: jax.Array) -> jax.Array:
+    """float32 [B]: each row's steps per emitted token, from its running (steps, tokens)."""
+    return pace_b2[:, 0] / pace_b2[:, 1]
+
+
+def step_pace(pace_b2: jax.Array, cost: jax.Array, count_b: jax.Array, running_b: jax.Array) -> jax.Array:
+    """The running rows' (steps, tokens) after a round of `cost` steps that emitted count_b tokens in each: PACE_MEMORY
+    of the figures before it, plus the round's."""
+    moved = PACE_MEMORY * pace_b2 + jnp.stack([jnp.broadcast_to(cost, count_b.shape), count_b], axis=1)
+    return jnp.where(running_b[:, None], moved, pace_b2)
+
+
+def observe(tally_brc: jax.Array, regime_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array) -> jax.Array:
+    """The tallies after a round `depth` deep (static) in which the running rows, each in its kind of round regime_b,
+    accepted n_b drafts: that kind's tally keeps ROW_MEMORY of itself and adds the round's counts."""
+    here = running_b[:, None] & (jnp.arange(tally_brc.shape[1])[None, :] == regime_b[:, None])
+    moved = ROW_MEMORY * tally_brc + counts(depth, n_b)[:, None, :]
+    return jnp.where(here[..., None], moved, tally_brc)
 
 
 def evidence(regime_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array, regimes: int) -> jax.Array:
-    """float32 [R, 2]: a round's accepted drafts and tried depths (n + 1, or `depth` when all were accepted) per kind
-    of round, over its running rows (`Adaptive.learn`); zeros for a plain step."""
-    if depth == 0:
-        return jnp.zeros((regimes, 2), jnp.float32)
-    counts = jnp.stack([n_b, jnp.minimum(n_b + 1, depth)], axis=1) * running_b[:, None]
-    return jax.ops.segment_sum(counts.astype(jnp.float32), regime_b, num_segments=regimes)
+    """float32 [R, 2]: a round's accepted drafts and tried depths per kind of round, over its running rows
+    (`Adaptive.learn`)."""
+    return jax.ops.segment_sum(counts(depth, n_b) * running_b[:, None], regime_b, num_segments=regimes)
 
 
 def useful_entries(menu: Sequence[int], depths: Sequence[int], cost: Sequence[float]) -> list[int]:

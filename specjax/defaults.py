@@ -10,12 +10,14 @@ CALIBRATION_DRAFT_TOKENS = 8  # `--num-draft-tokens auto`: the largest K it draf
 
 # Adaptive drafting (specjax.adaptive): the draft sizes a chain drafter's menu offers (up to its largest K), a row's
 # acceptance rate before it has drafted and how many tried draft positions that guess counts as when earlier calls'
-# are pooled with it, how far one round moves a row's estimate, and how far a plain step moves it back.
+# are pooled with it; what the prior counts as in a row's own running figures (tried depths in its acceptance tally,
+# emitted tokens in its pace), and the share of those figures a round keeps: about 1 / (1 - memory) rounds.
 ADAPTIVE_MENU = (1, 2, 3, 5)
 ADAPTIVE_PRIOR = 0.6
 PRIOR_WEIGHT = 20.0
-OBSERVE_WEIGHT = 0.3
-PRIOR_DRIFT = 0.1
+ROW_PRIOR_WEIGHT = 4.0
+ROW_MEMORY = 0.8
+PACE_MEMORY = 0.95
 
 EVAL_DRAFT_TOKENS = 5  # the train evaluate stage's chain
 EVAL_TREE = "5,4,24"  # the train evaluate stage's tree

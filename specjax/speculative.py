@@ -36,7 +36,18 @@ import jax
 import jax.numpy as jnp
 
 from specjax.acceptance import accept
-from specjax.adaptive import Adaptive, choose, evidence, menu_depths, never_drafts, observe
+from specjax.adaptive import (
+    Adaptive,
+    choose,
+    evidence,
+    first_pace,
+    menu_depths,
+    never_drafts,
+    observe,
+    paces,
+    rates,
+    step_pace,
+)
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.defaults import MAX_DRAFT_TOKENS
 from specjax.drafters.base import Drafter
@@ -62,7 +73,8 @@ class SpecState:
     rounds: jax.Array  # [] loop iterations
     accepted_hist: jax.Array  # [D + 1] row-rounds (of rows still running) that accepted 0..D drafts (D: the depth)
     menu_rounds: jax.Array  # [S] rounds of each menu entry (one entry, K, without adaptive drafting)
-    rate_br: jax.Array  # [B, R] float32 acceptance estimates per kind of round (specjax.adaptive; unused without it)
+    tally_brc: jax.Array  # [B, R, 2] float32 accepted drafts and tried depths per kind of round (specjax.adaptive)
+    pace_b2: jax.Array  # [B, 2] float32 running steps and emitted tokens (specjax.adaptive)
     evidence: jax.Array  # [R, 2] float32 accepted drafts and tried depths per kind of round (`Adaptive.learn`)
 
 
@@ -131,7 +143,8 @@ def speculative_decode(
     B = U * num_samples
     menu = adaptive.menu if adaptive is not None else (num_draft_tokens,)
     shapes = [drafter.draft_shape(k) if k else TreeSpec.chain(0) for k in menu]  # chain(0): a plain step
-    D = max(shape.depth for shape in shapes)
+    depths = [shape.depth for shape in shapes]
+    D = max(depths)
     taps = drafter.tap_layers
     R = drafter.num_regimes
     if adaptive is not None:  # one prior for every kind of round, or one each
@@ -160,7 +173,8 @@ def speculative_decode(
         rounds=jnp.int32(0),
         accepted_hist=jnp.zeros((D + 1,), jnp.int32),
         menu_rounds=jnp.zeros((len(menu),), jnp.int32),
-        rate_br=jnp.broadcast_to(adaptive.prior if adaptive is not None else jnp.float32(0), (B, R)),
+        tally_brc=jnp.zeros((B, R, 2), jnp.float32),
+        pace_b2=first_pace(adaptive, depths, B) if adaptive is not None else jnp.ones((B, 2), jnp.float32),
         evidence=jnp.zeros((R, 2), jnp.float32),
     )
 
@@ -213,10 +227,11 @@ def speculative_decode(
             done = s.done_b | (eos_at < count) | (num_new >= max_new_tokens)
             running = ~s.done_b
             hist = s.accepted_hist + jnp.sum(jax.nn.one_hot(n, D + 1, dtype=jnp.int32) * running[:, None], axis=0)
-            rate_br, seen = s.rate_br, s.evidence
+            tally, seen, pace = s.tally_brc, s.evidence, s.pace_b2
             if adaptive is not None:
-                rate_br = observe(adaptive, rate_br, regime_b, shape.depth, n, running)
+                tally = observe(tally, regime_b, shape.depth, n, running)
                 seen = seen + evidence(regime_b, shape.depth, n, running, R)
+                pace = step_pace(pace, adaptive.cost[entry], count, running)
             next_state = SpecState(
                 tokens_bs=tokens_bs,
                 length_b=s.length_b + count,
@@ -228,7 +243,8 @@ def speculative_decode(
                 rounds=s.rounds + 1,
                 accepted_hist=hist,
                 menu_rounds=s.menu_rounds.at[entry].add(1),
-                rate_br=rate_br,
+                tally_brc=tally,
+                pace_b2=pace,
                 evidence=seen,
             )
             return next_state, Path(k_path, v_path, jnp.pad(emitted, [(0, 0), (0, D - shape.depth)]), path_taps)
@@ -236,16 +252,15 @@ def speculative_decode(
         return run
 
     rounds = [round_of(entry, shape) for entry, shape in enumerate(shapes)]
-    depths = [shape.depth for shape in shapes]
 
     def step(s: SpecState) -> SpecState:
         if adaptive is None:
             next_state, path = rounds[0](s, jnp.zeros((B,), jnp.int32))
         else:
             regime_b = drafter.regime(s.draft_state, s.tokens_bs, s.length_b)
-            rate_b = jnp.take_along_axis(s.rate_br, regime_b[:, None], axis=1)[:, 0]
+            rate_b = jnp.take_along_axis(rates(adaptive, s.tally_brc), regime_b[:, None], axis=1)[:, 0]
             remaining_b = jnp.where(s.done_b, 0, max_new_tokens - s.num_new_b)
-            entry = choose(adaptive, depths, rate_b, remaining_b)
+            entry = choose(adaptive, depths, rate_b, paces(s.pace_b2), remaining_b)
             next_state, path = jax.lax.switch(entry, rounds, s, regime_b)
         count = next_state.length_b - s.length_b
         return dataclasses.replace(

@@ -14,7 +14,7 @@ import pytest
 
 import specjax.adaptive as adaptive_mod
 import specjax.speculative as spec
-from specjax.adaptive import Adaptive, calibrated, choose, observe, useful_entries
+from specjax.adaptive import Adaptive, calibrated, choose, first_pace, observe, paces, rates, step_pace, useful_entries
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from specjax.errors import InputError
@@ -73,7 +73,8 @@ def test_where_drafting_cannot_pay_at_the_prior_plain_decoding_runs_instead_of_t
     assert not adaptive_mod.never_drafts(Adaptive.of((1, 2), [1.0, 1.2]), [1, 2])  # 0.63 steps a token: it pays
     # The loop's plain step costs 1.3 plain decoding steps (its bookkeeping): at the prior (E = 1.96 tokens for 2
     # drafts) the loop would draft, but a round of 2.2 steps is 1.12 a token, so plain decoding beats it.
-    assert int(choose(Adaptive.of((0, 2), [1.3, 2.2]), [0, 2], jnp.array([0.6]), jnp.ones(1))) == 1
+    prior_pace = jnp.array([2.2 / 1.96])
+    assert int(choose(Adaptive.of((0, 2), [1.3, 2.2]), [0, 2], jnp.array([0.6]), prior_pace, jnp.array([100]))) == 1
     assert adaptive_mod.never_drafts(Adaptive.of((0, 2), [1.3, 2.2]), [0, 2])
     assert adaptive_mod.never_drafts(Adaptive.of((2,), [2.2]), [2])  # likewise without a plain step in the menu
     assert not adaptive_mod.never_drafts(Adaptive.of((0, 2), [1.3, 1.8]), [0, 2])  # 0.92 a token: the loop pays
@@ -103,14 +104,15 @@ def test_a_menu_of_plain_steps_alone_is_plain_decoding(ar_batch):
 
 
 def test_the_choice_follows_the_measured_acceptance():
-    """The target drafting for itself (every draft accepted) climbs to the deepest entry; an unrelated model of the
-    same shape (first drafts mostly wrong) settles on the shallowest."""
+    """Over 64 new tokens, the target drafting for itself (every draft accepted) climbs to the deepest entry (near
+    its end, a shallower one emits what is left); an unrelated model of the same shape (first drafts mostly wrong)
+    settles on the shallowest."""
     menu = Adaptive.of((1, 2, 3, 5), [1.25, 1.45, 1.6, 2.0])
 
     def favourite(draft_weights):
         result = spec.generate(
-            WEIGHTS, CFG, PROMPTS, drafter=ModelDrafter(draft_weights, CFG), num_draft_tokens=menu,
-            max_new_tokens=MAX_NEW, eos_ids=(),
+            WEIGHTS, CFG, PROMPTS, drafter=ModelDrafter(draft_weights, CFG), num_draft_tokens=menu, max_new_tokens=64,
+            eos_ids=(),
         )  # fmt: skip
         return max(result.stats.rounds_by_drafts.items(), key=lambda kv: kv[1])[0]
 
@@ -163,14 +165,29 @@ def test_sampled_output_keeps_the_target_distribution_with_plain_steps_among_the
 
 
 def test_a_batch_drafts_as_deep_as_its_slowest_row_gains():
-    """Kept for the rest of the decode, an entry ends the batch when its slowest row ends: a row that accepts nothing
-    makes drafting useless for the batch however well the others accept; a finished row, or one near its end, does
-    not hold the batch back."""
+    """A round costs its entry and leaves each row its remaining tokens less those the round is expected to emit,
+    which take the row its pace (steps per token so far): the entry that ends the batch soonest wins. A row that
+    accepts nothing makes drafting useless for the batch however well the others accept; a finished row, or one near
+    its end, does not hold the batch back; a row that accepts nothing in this kind of round but has been fast
+    (copied text elsewhere) lets the batch draft deep for a slower one."""
     menu, depths, rate = Adaptive.of((0, 5), [1.0, 1.5]), [0, 5], jnp.array([0.9, 0.0])
-    assert int(choose(menu, depths, rate, jnp.array([100, 100]))) == 0
-    assert int(choose(menu, depths, rate[:1], jnp.array([100]))) == 1  # alone, the row that accepts drafts
-    assert int(choose(menu, depths, rate, jnp.array([100, 0]))) == 1  # the other row is done
-    assert int(choose(menu, depths, rate, jnp.array([100, 2]))) == 1  # 2 tokens to go: 100 / 4.7 rounds is longer
+    pace = jnp.array([1.5 / 4.69, 1.0])  # each row's best entry at its rate: 5 drafts (E = 4.69), plain steps
+    assert int(choose(menu, depths, rate, pace, jnp.array([100, 100]))) == 0
+    assert int(choose(menu, depths, rate[:1], pace[:1], jnp.array([100]))) == 1  # alone, the row that accepts drafts
+    assert int(choose(menu, depths, rate, pace, jnp.array([100, 0]))) == 1  # the other row is done
+    assert int(choose(menu, depths, rate, pace, jnp.array([100, 2]))) == 1  # 2 tokens to go: 100 x 0.32 is longer
+    assert int(choose(menu, depths, rate, jnp.array([0.6, 0.3]), jnp.array([100, 100]))) == 1
+    assert int(choose(menu, depths, rate[:1], pace[:1], jnp.array([1]))) == 0  # its last token: no drafts
+
+
+def test_a_rows_pace_starts_at_the_prior_and_follows_its_rounds():
+    """The pace starts at the best entry's steps per token at the prior (counted as ROW_PRIOR_WEIGHT = 4 tokens);
+    each round keeps PACE_MEMORY = 0.95 of a running row's (steps, tokens) and adds its cost and the row's tokens."""
+    menu = Adaptive.of((0, 2), [1.0, 1.5], prior=0.5)  # 2 drafts at 0.5: 1.75 tokens for 1.5 steps
+    start = first_pace(menu, [0, 2], 2)
+    assert np.allclose(start, [[4 * 1.5 / 1.75, 4]] * 2) and np.allclose(paces(start), 1.5 / 1.75)
+    moved = step_pace(start, jnp.float32(1.5), jnp.array([3, 1]), jnp.array([True, False]))
+    assert np.allclose(moved, [[0.95 * 4 * 1.5 / 1.75 + 1.5, 0.95 * 4 + 3], start[1]])
 
 
 def test_prompt_lookup_tells_rounds_apart_by_the_tail_it_matched():
@@ -183,14 +200,20 @@ def test_prompt_lookup_tells_rounds_apart_by_the_tail_it_matched():
     assert ModelDrafter(WEIGHTS, CFG).regime((), tokens, lengths).tolist() == [0, 0, 0]  # one kind of round
 
 
-def test_a_round_moves_the_estimate_of_each_rows_kind_alone():
+def test_a_round_moves_the_tally_of_each_rows_kind_alone():
+    """Each row's estimate is its tally (accepted, tried) pooled with the prior as ROW_PRIOR_WEIGHT = 4 depths; a
+    round keeps ROW_MEMORY = 0.8 of the tally of each running row's kind and adds its counts, a plain step only
+    forgets."""
     menu = Adaptive.of((0, 3), [1.0, 1.5], prior=0.6, regimes=2)
-    rate = jnp.asarray([[0.5, 0.9], [0.5, 0.9], [0.5, 0.9]])
+    tally = jnp.asarray([[[1.0, 2.0], [5.0, 6.0]]] * 3)
+    assert np.allclose(rates(menu, tally)[0], [(2.4 + 1) / 6, (2.4 + 5) / 10])
     regime, running = jnp.asarray([0, 1, 1]), jnp.asarray([True, True, False])
-    drafted = observe(menu, rate, regime, 3, jnp.asarray([3, 0, 0]), running)  # targets 3/3 and 0/1
-    assert np.allclose(drafted, [[0.5 + 0.3 * 0.5, 0.9], [0.5, 0.9 - 0.3 * 0.9], [0.5, 0.9]])
-    plain = observe(menu, rate, regime, 0, jnp.zeros(3, jnp.int32), running)  # toward the prior by PRIOR_DRIFT
-    assert np.allclose(plain, [[0.5 + 0.1 * 0.1, 0.9], [0.5, 0.9 - 0.1 * 0.3], [0.5, 0.9]])
+    drafted = observe(tally, regime, 3, jnp.asarray([3, 0, 0]), running)  # counts (3, 3) and (0, 1)
+    assert np.allclose(drafted, [[[3.8, 4.6], [5, 6]], [[1, 2], [4, 5.8]], [[1, 2], [5, 6]]])
+    plain = observe(tally, regime, 0, jnp.zeros(3, jnp.int32), running)
+    assert np.allclose(plain, [[[0.8, 1.6], [5, 6]], [[1, 2], [4, 4.8]], [[1, 2], [5, 6]]])
+    rejected_first = rates(menu, observe(jnp.zeros((1, 2, 2)), regime[:1], 5, jnp.asarray([0]), running[:1]))
+    assert np.isclose(rejected_first[0, 0], 2.4 / 5)  # one failed depth, not a rate of 0
 
 
 def test_the_loop_counts_the_depths_it_tried_and_accepted():
