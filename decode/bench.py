@@ -238,12 +238,16 @@ def parse_mode(mode: str) -> tuple[str, int | str | None]:
 UNCOUNTED_FORWARDS = ("hf-pld",)
 
 
-def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int, repeats: int = 1) -> dict[str, ModeRun]:
+def measure(
+    runners: dict[str, Runner], groups, max_new_tokens: int, seed: int, repeats: int = 1, fresh_samples: bool = False
+) -> dict[str, ModeRun]:
     """Runs every mode on every batch, interleaved (batch 1 in all modes, then batch 2, ...), so that the machine's
     drift over the run affects all modes alike, and each batch starting one mode further down the list, so that no
-    mode always runs first; `repeats` times over, each repeat timed as one more batch (same seeds, same outputs: the
-    outputs and statistics are kept once). Target forwards per batch: the rounds and the prefill of a speculative
-    mode, one per token of the batch's longest output otherwise."""
+    mode always runs first; `repeats` times over, each repeat timed as one more batch (the outputs and statistics
+    are kept once). A repeat reuses its batch's seed, unless `fresh_samples` (sampled decoding): then every timed
+    batch has a seed of its own, so the repeats draw new samples and the speedups are medians over as many samples
+    as timings, not over the first pass's few. Target forwards per batch: the rounds and the prefill of a
+    speculative mode, one per token of the batch's longest output otherwise."""
     for runner in runners.values():
         runner(groups[0], max_new_tokens, seed)  # warm-up of the very executable timed next: allocator, thread pools
     runs = {mode: ModeRun(mode, [], [], [], repeats=repeats) for mode in runners}
@@ -251,7 +255,7 @@ def measure(runners: dict[str, Runner], groups, max_new_tokens: int, seed: int, 
     for n, (i, group) in enumerate(tqdm(batches, desc="bench", unit="batch", file=sys.stderr)):
         order = list(runners)
         for mode in order[n % len(order) :] + order[: n % len(order)]:
-            outputs, seconds, *stats = runners[mode](group, max_new_tokens, seed + i)
+            outputs, seconds, *stats = runners[mode](group, max_new_tokens, seed + (n if fresh_samples else i))
             run = runs[mode]
             run.batch_seconds.append(seconds)
             run.batch_tokens.append(sum(map(len, outputs)))
@@ -441,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return MODES[base](model, sampling, eos, batch_size, **chosen)
 
     runners = {mode: prepare(mode) for mode in modes}
-    runs = measure(runners, groups, args.max_new_tokens, args.seed, args.repeats)
+    runs = measure(runners, groups, args.max_new_tokens, args.seed, args.repeats, fresh_samples=not sampling.greedy)
     add_breakdowns(runs, runners, len(groups[0]), context)
     for mode, runner in runners.items():
         if isinstance(runner, SpeculativeRunner) and isinstance(runner.num_draft_tokens, Adaptive):

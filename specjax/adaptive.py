@@ -266,7 +266,7 @@ def menu_costs(
     """The cost of a round of each menu entry in steps of plain decoding: whole rounds of the compiled loop, each
     entry forced in turn, against the steps of the plain decoding loop (`specjax.calibrate.loop_seconds`), measured
     once per machine, model shapes, drafter, batch, context and greedy-or-sampled, then read from
-    `$SPECJAX_CACHE/calibration`."""
+    `$SPECJAX_CACHE/calibration` (which keeps the measurement), and fitted `non_decreasing`."""
     from specjax.calibrate import loop_seconds
 
     signature = {
@@ -286,7 +286,7 @@ def menu_costs(
     key = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_dir() / "calibration" / f"{key}.json"
     if path.is_file():
-        return json.loads(path.read_text())["cost"]
+        return non_decreasing(json.loads(path.read_text())["cost"])
     step_s, round_s = loop_seconds(
         weights, cfg, drafter, menu, batch=batch, context=context, sampling=sampling, new_tokens=new_tokens, reps=reps
     )
@@ -295,7 +295,25 @@ def menu_costs(
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**signature, "cost": cost}, indent=1))
     os.replace(tmp, path)
-    return cost
+    return non_decreasing(cost)
+
+
+def non_decreasing(cost: Sequence[float]) -> list[float]:
+    """The non-decreasing costs nearest to the measured ones (least squares, by pooling adjacent violators).
+
+    A menu's entries are ascending and each round does all the work of a shallower one (a plain step is part of
+    every round), so its true costs never fall; measured ones do where the machine's noise exceeds the step between
+    two entries (a chain of 8 timed below a chain of 5), and a choice would follow that noise. Pooling the entries
+    that break the order into their mean keeps what the measurement says and drops what it cannot.
+    """
+    blocks: list[list[float]] = []  # [sum, count] of pooled entries, means ascending
+    for c in cost:
+        blocks.append([c, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def calibrated(

@@ -14,7 +14,18 @@ import pytest
 
 import specjax.adaptive as adaptive_mod
 import specjax.speculative as spec
-from specjax.adaptive import Adaptive, calibrated, choose, first_pace, observe, paces, rates, step_pace, useful_entries
+from specjax.adaptive import (
+    Adaptive,
+    calibrated,
+    choose,
+    first_pace,
+    non_decreasing,
+    observe,
+    paces,
+    rates,
+    step_pace,
+    useful_entries,
+)
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from specjax.errors import InputError
@@ -287,6 +298,12 @@ def test_only_entries_that_can_win_are_kept():
     assert useful_entries((0, 1, 2), (0, 1, 2), [1.0, 5.0, 1.2]) == [0, 2]  # one draft never beats both
     assert useful_entries((0, 3), (0, 3), [1.0, 1.5]) == [0, 1]
     assert useful_entries((0, 3), (0, 3), [1.0, 4.5]) == [0]  # 4 tokens at most cannot repay 4.5 steps
+
+
+def test_measured_costs_are_fitted_non_decreasing():
+    assert non_decreasing([1.0, 1.3, 1.5]) == [1.0, 1.3, 1.5]  # already in order: kept
+    assert non_decreasing([0.94, 1.26, 1.18, 1.36, 1.51, 1.41]) == pytest.approx([0.94, 1.22, 1.22, 1.36, 1.46, 1.46])
+    assert non_decreasing([2.0, 1.0, 0.0]) == pytest.approx([1.0, 1.0, 1.0])  # one pool: the mean
 
 
 def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch):

@@ -94,6 +94,9 @@ def test_repeats_time_every_batch_again_and_keep_one_pass_of_outputs():
     assert calls == [(5, 3), (5, 3), (6, 4), (5, 3), (6, 4)]  # each repeat: the same batches with the same seeds
     assert only.outputs == [[5] * 4, [6] * 4] and only.repeats == 2
     assert only.batch_seconds == [1.0, 2.0, 3.0, 4.0] and only.batch_tokens == [4] * 4
+    calls.clear()
+    bench.measure({"ar": lambda *a: run(*a)}, [[5], [6]], 4, seed=3, repeats=2, fresh_samples=True)
+    assert calls == [(5, 3), (5, 3), (6, 4), (5, 5), (6, 6)]  # sampled: every repeat draws new samples
 
 
 @pytest.mark.parametrize(

@@ -371,19 +371,40 @@ def test_init_from_starts_at_an_exported_head_and_its_vocabulary(smoke_run, tmp_
     assert np.abs(np.asarray(head.lm_head[...])).max() > 0.1  # trained weights, not the 0.02-scale random start
 
 
+def test_a_dflash_run_can_start_at_an_exported_draft_of_its_shape(dflash_run, tmp_path):
+    from specjax.io.dflash_checkpoint import load_dflash
+    from specjax.io.models import load_model
+    from train.config import load_config
+    from train.run import build_trainer, validate
+
+    shape = ["model.drafter=dflash", "model.tap_layers=[2, 2, 1]", "dflash.mask_token_id=5",
+             f"training.init_from={dflash_run / 'export'}"]  # fmt: skip
+    cfg = load_config(SMOKE, [f"output_dir={tmp_path}", *shape, "dflash.block_size=4"])
+    model = load_model(cfg.model.target)
+    start = build_trainer(cfg, model).draft  # no vocab stage in tmp_path: the draft brings its own
+    _, exported = load_dflash(dflash_run / "export", model.cfg)
+    trained = (exported.fc, exported.hidden_norm, exported.layers, exported.norm)
+    for got, want in zip(jax.tree.leaves(start.params), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(start.vocab_ids, exported.vocab_ids)
+    other = load_config(SMOKE, [f"output_dir={tmp_path}", *shape, "dflash.block_size=5"])
+    with pytest.raises(SpecjaxError, match=r"another shape: block_size 4 \(run: 5\)"):
+        validate(other, model, ["train"])
+
+
 def test_init_from_takes_a_shipped_head_by_name():
     from specjax.drafters.eagle3 import BUILTIN_HEADS
     from specjax.io.models import load_model
     from train.config import load_config
-    from train.run import initial_head_config
+    from train.run import initial_draft
 
     cfg = load_config(ROOT / "configs" / "smollm2-eagle3.yaml", ["training.init_from=smollm2-135m"])
     model = load_model(cfg.model.target)
     with pytest.raises(SpecjaxError, match=r"another shape: draft_vocab_size 4096 \(run: 8192\)"):
-        initial_head_config(cfg, model)
+        initial_draft(cfg, model)
     cfg = load_config(ROOT / "configs" / "smollm2-eagle3.yaml", ["training.init_from=smollm2-135m",
                                                                  "model.draft_vocab_size=4096"])  # fmt: skip
-    assert initial_head_config(cfg, model).tap_layers == (2, 15, 27)
+    assert initial_draft(cfg, model)[0].tap_layers == (2, 15, 27)
     assert BUILTIN_HEADS["smollm2-135m"].is_dir()
 
 

@@ -188,8 +188,6 @@ class TrainConfig:
             raise InputError(
                 "dflash.mask_token_id is required: a token id the target never writes (an unused special token)"
             )
-        if self.training.init_from and self.model.drafter != "eagle3":
-            raise InputError("training.init_from takes an exported EAGLE-3 head; a DFlash draft starts at random")
         if self.training.features not in ("stored", "online"):
             raise InputError(f"training.features must be 'stored' or 'online', got {self.training.features!r}")
 

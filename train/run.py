@@ -16,11 +16,13 @@ import dataclasses
 import fcntl
 import json
 import math
+import operator
 import os
 import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +37,8 @@ from specjax.drafters import DFlashDrafter, Eagle3Drafter
 from specjax.drafters.eagle3 import BUILTIN_HEADS
 from specjax.errors import InputError, SpecjaxError
 from specjax.evalsets import chat_prompts, humaneval_prompts
-from specjax.io.dflash_checkpoint import save_dflash
-from specjax.io.eagle3_checkpoint import check_eagle3, load_eagle3, save_eagle3
+from specjax.io.dflash_checkpoint import load_dflash, save_dflash
+from specjax.io.eagle3_checkpoint import load_eagle3, save_eagle3
 from specjax.io.models import LoadedModel, load_model
 from specjax.models.dflash import DFlashConfig, init_dflash
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
@@ -135,30 +137,43 @@ def head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
     return dataclasses.replace(base, **overrides)
 
 
-# What a `training.init_from` head must share with the head the config describes.
-SHAPE_FIELDS = (
-    "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "draft_vocab_size", "tap_layers",
-    "norm_output", "norm_before_residual",
-)  # fmt: skip
+# What a `training.init_from` draft must share with the draft the config describes.
+SHAPE_FIELDS = {
+    "eagle3": ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "draft_vocab_size",
+               "tap_layers", "norm_output", "norm_before_residual"),
+    "dflash": ("block_size", "mask_token_id", "target_layer_ids", "layers.num_layers", "layers.intermediate_size",
+               "draft_vocab_size"),
+}  # fmt: skip
 
 
 def initial_head_path(cfg: TrainConfig) -> Path:
-    """The folder of the `training.init_from` head: a path, or the name of a head shipped with specjax."""
+    """The folder of the `training.init_from` draft: a path, or the name of a head shipped with specjax."""
     return Path(BUILTIN_HEADS.get(cfg.training.init_from, cfg.training.init_from))
 
 
-def initial_head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
-    """The config of the `training.init_from` head, which must have the run's shape (raises InputError)."""
+def initial_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[Eagle3Config | DFlashConfig, Any]:
+    """The `training.init_from` draft, which must have the run's shape (raises InputError): (its config, the
+    exported draft: an Eagle3Head, or DFlashWeights with their `vocab_ids`)."""
     try:
-        found = check_eagle3(initial_head_path(cfg), model.cfg)
+        if cfg.model.drafter == "dflash":
+            found, draft = load_dflash(initial_head_path(cfg), model.cfg)
+            vocab = model.cfg.vocab_size if draft.vocab_ids is None else len(draft.vocab_ids)
+        else:
+            found, draft = load_eagle3(initial_head_path(cfg), model.cfg)
+            vocab = found.draft_vocab_size
     except SpecjaxError as e:
         raise InputError(f"training.init_from: {e}") from None
-    want = head_config(cfg, model)
-    differ = [f"{name} {getattr(found, name)} (run: {getattr(want, name)})" for name in SHAPE_FIELDS
-              if getattr(found, name) != getattr(want, name)]  # fmt: skip
+    want = draft_config(cfg, model)
+
+    def shape(config, name: str, draft_vocab: int):
+        return draft_vocab if name == "draft_vocab_size" else operator.attrgetter(name)(config)
+
+    differ = [f"{name} {shape(found, name, vocab)} (run: {shape(want, name, cfg.model.draft_vocab_size)})"
+              for name in SHAPE_FIELDS[cfg.model.drafter]
+              if shape(found, name, vocab) != shape(want, name, cfg.model.draft_vocab_size)]  # fmt: skip
     if differ:
         raise InputError(f"training.init_from {cfg.training.init_from} has another shape: {', '.join(differ)}")
-    return found
+    return found, draft
 
 
 def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
@@ -176,7 +191,7 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
                 read_conversations(Path(source))  # a missing or malformed prompts file
     draft_config(cfg, model)  # tap layers / vocabulary sizes against the target, before any stage runs
     if cfg.training.init_from:
-        initial_head_config(cfg, model)
+        initial_draft(cfg, model)
     if {"train", "evaluate", "export"} & set(stages):
         mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
         replicas = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -261,9 +276,13 @@ def features_dir(cfg: TrainConfig) -> Path:
 
 def build_trainer(cfg: TrainConfig, model: LoadedModel) -> Trainer:
     seed = cfg.training.seed
-    if cfg.training.init_from:  # an exported head: its weights and its own draft vocabulary
-        _, head = load_eagle3(initial_head_path(cfg), model.cfg)
-        draft = Eagle3Training(head, model.cfg, cfg.training)
+    if cfg.training.init_from:  # an exported draft: its weights and its own draft vocabulary
+        draft_cfg, start = initial_draft(cfg, model)
+        if cfg.model.drafter == "dflash":
+            vocab_ids = None if start.vocab_ids is None else np.asarray(start.vocab_ids)
+            draft = DFlashTraining(draft_cfg, start, vocab_ids, model.cfg, cfg.dflash, seed)
+        else:
+            draft = Eagle3Training(start, model.cfg, cfg.training)
     elif cfg.model.drafter == "dflash":
         _, t2d = load_vocab(cfg.output_path / "vocab.npz")
         draft_cfg = dflash_config(cfg, model)
