@@ -165,12 +165,12 @@ def initial_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[Eagle3Config | 
         raise InputError(f"training.init_from: {e}") from None
     want = draft_config(cfg, model)
 
-    def shape(config, name: str, draft_vocab: int):
-        return draft_vocab if name == "draft_vocab_size" else operator.attrgetter(name)(config)
+    def shape(config, draft_vocab: int) -> dict:  # the draft vocabulary: a field of EAGLE-3's config, not DFlash's
+        return {name: draft_vocab if name == "draft_vocab_size" else operator.attrgetter(name)(config)
+                for name in SHAPE_FIELDS[cfg.model.drafter]}  # fmt: skip
 
-    differ = [f"{name} {shape(found, name, vocab)} (run: {shape(want, name, cfg.model.draft_vocab_size)})"
-              for name in SHAPE_FIELDS[cfg.model.drafter]
-              if shape(found, name, vocab) != shape(want, name, cfg.model.draft_vocab_size)]  # fmt: skip
+    have, need = shape(found, vocab), shape(want, getattr(want, "draft_vocab_size", cfg.model.draft_vocab_size))
+    differ = [f"{name} {have[name]} (run: {need[name]})" for name in have if have[name] != need[name]]
     if differ:
         raise InputError(f"training.init_from {cfg.training.init_from} has another shape: {', '.join(differ)}")
     return found, draft
