@@ -2,7 +2,7 @@ import jax
 import pytest
 from flax import nnx
 
-from specjax.calibrate import ForwardCosts, drafter_seconds, forward_costs, round_breakdown
+from specjax.calibrate import ForwardCosts, drafter_seconds, forward_costs, forward_timers, round_breakdown
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.drafters import Eagle3Drafter, LayerSkipDrafter, LookupFirstDrafter, NgramDrafter
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
@@ -29,6 +29,17 @@ def test_forward_costs_are_measured():
     cfg = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8)
     costs = forward_costs(init_weights(cfg, jax.random.key(0)), cfg, batch=1, context=16, num_tokens=5, reps=3)
     assert costs.step_s > 0 and costs.verify_s > 0
+
+
+def test_timed_forwards_return_no_cache():
+    # A timed forward that returned the written cache would time a copy of all of it, as a round never does.
+    cfg = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8)
+    one, five = forward_timers(init_weights(cfg, jax.random.key(0)), cfg, batch=2, context=40, token_counts=(1, 5))
+    slots = 40 + 5
+    for out, t in ((one(), 1), (five(), 5)):
+        shapes = [x.shape for x in jax.tree.leaves(out)]
+        assert (2, t, cfg.vocab_size) in shapes
+        assert not any(slots in shape for shape in shapes)
 
 
 @pytest.mark.parametrize("kind", ["ngram", "layerskip", "eagle3-chain", "eagle3-tree", "lookup-first"])
