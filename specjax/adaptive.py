@@ -33,9 +33,8 @@ tried depths, pooled with the depths tried and accepted in every earlier call it
 them, `SpecStats.acceptance_evidence`). So a drafter that seldom pays for this traffic (sampled text for prompt
 lookup) stops being tried, and one that pays starts drafting from its first round. `learn` also keeps the loop's
 track record: the steps plain decoding would have taken for the calls' outputs, against what the loop's rounds cost
-(no round costing less than a plain decoding step). A loop that did worse than plain decoding by its own measure, by
-more than the noise of a gain measured over that many row steps, is not run again (`never_drafts`): its plain steps
-cost more than plain decoding's, so where its drafts do not pay it can only lose.
+(no round costing less than a plain decoding step). A loop that did not beat plain decoding by its own measure is not
+run again (`never_drafts`): its plain steps cost more than plain decoding's, so it can only lose.
 
 Exactness. The choice is a function of the estimates and the paces, which are functions of the prior and the costs
 (fixed before the call), the committed text and past rounds' entries and acceptances: it is fixed before the round
@@ -59,15 +58,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.defaults import (
-    ADAPTIVE_MENU,
-    ADAPTIVE_PRIOR,
-    PACE_MEMORY,
-    PRIOR_WEIGHT,
-    ROW_MEMORY,
-    ROW_PRIOR_WEIGHT,
-    TRACK_RECORD_NOISE,
-)
+from specjax.defaults import ADAPTIVE_MENU, ADAPTIVE_PRIOR, PACE_MEMORY, PRIOR_WEIGHT, ROW_MEMORY, ROW_PRIOR_WEIGHT
 from specjax.drafters.base import Drafter
 from specjax.errors import InputError
 from specjax.io.gguf import cache_dir
@@ -90,7 +81,7 @@ class Adaptive:
     cost: jax.Array  # float32 [S]: a round of each entry, in plain decoding steps of the same batch
     prior: jax.Array  # float32 [R]: a row's acceptance rate before it has drafted, per kind of round
     seen: jax.Array  # float32 [R]: the tried depths pooled into the prior beyond PRIOR_WEIGHT (`learn`)
-    track_record: jax.Array  # float32 [3]: the learned calls' plain decoding steps, what their loops cost, row steps
+    track_record: jax.Array  # float32 [2]: the learned calls' plain decoding steps, and what their loops cost
     menu: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # draft sizes; 0: plain step
 
     @classmethod
@@ -107,7 +98,7 @@ class Adaptive:
         if not 0 <= prior <= 1:
             raise InputError(f"the prior acceptance rate must be in [0, 1], got {prior}")
         zeros = jnp.zeros((regimes,), jnp.float32)
-        return cls(jnp.asarray(cost, jnp.float32), zeros + prior, zeros, jnp.zeros((3,), jnp.float32), menu)
+        return cls(jnp.asarray(cost, jnp.float32), zeros + prior, zeros, jnp.zeros((2,), jnp.float32), menu)
 
     @classmethod
     def forcing(cls, menu: Sequence[int], entry: int, regimes: int = 1) -> Adaptive:
@@ -126,14 +117,13 @@ class Adaptive:
         prior = (self.prior * weight + accepted) / (weight + tried)
         rounds = jnp.asarray([stats.rounds_by_drafts[k] for k in self.menu], jnp.float32)
         loop_steps = jnp.sum(rounds * jnp.maximum(self.cost, 1.0))
-        call = [jnp.float32(stats.plain_steps), loop_steps, jnp.float32(stats.row_steps)]
-        track_record = self.track_record + jnp.stack(call)
+        track_record = self.track_record + jnp.stack([jnp.float32(stats.plain_steps), loop_steps])
         return dataclasses.replace(self, prior=prior, seen=self.seen + tried, track_record=track_record)
 
     def summary(self) -> dict:
         """What was learned: the prior per kind of round, and the loop's gain over plain decoding by its own costs
         (None before it ran)."""
-        plain_steps, loop_steps, _ = self.track_record.tolist()
+        plain_steps, loop_steps = self.track_record.tolist()
         return {
             "prior": [round(p, 3) for p in self.prior.tolist()],
             "loop_gain": round(plain_steps / loop_steps, 3) if loop_steps else None,
@@ -167,15 +157,14 @@ def menu_depths(drafter: Drafter, menu: Sequence[int]) -> list[int]:
 
 
 def never_drafts(adaptive: Adaptive, depths: Sequence[int]) -> bool:
-    """Whether plain decoding should replace the loop: the loop's earlier calls did worse than plain decoding by more
-    than the noise of their measurement (its track record, `Adaptive.learn`: a gain under 1 - TRACK_RECORD_NOISE /
-    sqrt(row steps)), or, at the priors, where every row starts, no drafting entry is
+    """Whether plain decoding should replace the loop: the loop's earlier calls did not beat plain decoding (its track
+    record, `Adaptive.learn`), or, at the priors, where every row starts, no drafting entry is
     expected to cost less per token than a plain decoding step (the costs' unit) and than the loop's own plain step.
     Where the loop's choice there is its plain step, no round would ever draft (a plain step moves the estimates
     toward the prior, so they stay there); where it is a drafting entry that costs more per token than plain
     decoding, the loop is expected to lose from its first round."""
-    plain_steps, loop_steps, row_steps = adaptive.track_record.tolist()
-    if loop_steps and plain_steps < loop_steps * (1 - TRACK_RECORD_NOISE / math.sqrt(max(row_steps, 1.0))):
+    plain_steps, loop_steps = adaptive.track_record.tolist()
+    if loop_steps and plain_steps <= loop_steps:
         return True
     prior = jnp.max(adaptive.prior)  # drafting pays at the highest prior if at any
     per_token = [float(c / expected_tokens(prior, d)) for c, d in zip(adaptive.cost, depths)]

@@ -18,10 +18,6 @@ PRIOR_WEIGHT = 20.0
 ROW_PRIOR_WEIGHT = 4.0
 ROW_MEMORY = 0.8
 PACE_MEMORY = 0.95
-# The spread of a loop's measured gain over plain decoding, times the square root of the row steps it was measured
-# over: 16 calls of prompt lookup at batch 1, temperature 1, ~100 steps each, gained 1.16 on average with a standard
-# deviation of 0.15 (two of them under 1). A track record is judged to one such standard error (`never_drafts`).
-TRACK_RECORD_NOISE = 1.5
 
 EVAL_DRAFT_TOKENS = 5  # the train evaluate stage's chain
 EVAL_TREE = "5,4,24"  # the train evaluate stage's tree

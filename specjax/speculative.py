@@ -294,7 +294,6 @@ class SpecStats:
     # Adaptive drafting: (accepted drafts, tried depths) per kind of round, what `Adaptive.learn` pools into the prior.
     acceptance_evidence: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     plain_steps: int = 0  # steps plain decoding takes for these outputs: the longest, less the prefill's token
-    row_steps: int = 0  # the same summed over the rows: how much the call's gain was measured over
 
     @classmethod
     def from_histogram(cls, rounds: int, hist: Sequence[int], new_tokens: int, seconds: float) -> SpecStats:
@@ -417,6 +416,5 @@ def generate(
         rounds_by_drafts={k: int(r) for k, r in zip(menu, by_entry)},
         acceptance_evidence=[(float(a), float(t)) for a, t in seen] if adaptive else [],
         plain_steps=max((len(c.output_ids) for c in results), default=1) - 1,
-        row_steps=sum(max(len(c.output_ids) - 1, 0) for c in results),
     )
     return SpecResult(results, seconds, compile_seconds, stats)

@@ -247,24 +247,20 @@ def test_the_prior_and_the_track_record_learn_from_earlier_calls_without_compili
     is never right, is then not run at all."""
     menu = Adaptive.of((0, 1, 2), [0.9, 1.2, 1.4], prior=0.6, regimes=2)
 
-    def call(evidence, rounds, plain_steps, rows=1):
+    def call(evidence, rounds, plain_steps):
         stats = spec.SpecStats.from_histogram(sum(rounds), [1], 1, 1.0)
         return dataclasses.replace(
-            stats, acceptance_evidence=evidence, rounds_by_drafts=dict(zip(menu.menu, rounds)), plain_steps=plain_steps,
-            row_steps=rows * plain_steps,
-        )  # fmt: skip
+            stats, acceptance_evidence=evidence, rounds_by_drafts=dict(zip(menu.menu, rounds)), plain_steps=plain_steps
+        )
 
     learned = menu.learn(call([(2, 10), (0, 0)], [4, 3, 3], 12))
     assert np.allclose(learned.prior, [(12 + 2) / 30, 0.6]) and np.allclose(learned.seen, [10, 0])
-    assert np.allclose(learned.track_record, [12, 4 * 1.0 + 3 * 1.2 + 3 * 1.4, 12])  # 12 steps against 11.8: it paid
+    assert np.allclose(learned.track_record, [12, 4 * 1.0 + 3 * 1.2 + 3 * 1.4])  # 12 steps against 11.8: it paid
     assert not adaptive_mod.never_drafts(learned, [0, 1, 2])
-    again = learned.learn(call([(0, 10), (0, 0)], [10, 0, 0], 9, rows=2000))  # plain steps alone: 10 against 9
+    again = learned.learn(call([(0, 10), (0, 0)], [10, 0, 0], 9))  # plain steps alone: 10 against 9 steps
     assert np.allclose(again.prior, [(12 + 2) / 40, 0.6])  # pooled: 2 of 20 tried
-    assert np.allclose(again.track_record, [21, 21.8, 18012]) and adaptive_mod.never_drafts(again, [0, 1, 2])
+    assert np.allclose(again.track_record, [21, 21.8]) and adaptive_mod.never_drafts(again, [0, 1, 2])
     assert again.summary() == {"prior": [0.35, 0.6], "loop_gain": round(21 / 21.8, 3)}
-    # A gain under 1 by less than its noise keeps the loop; the same gain measured over more row steps does not.
-    assert not adaptive_mod.never_drafts(menu.learn(call([(5, 10), (0, 0)], [90, 30, 0], 118)), [0, 1, 2])
-    assert adaptive_mod.never_drafts(menu.learn(call([(5, 10), (0, 0)], [90, 30, 0], 118, rows=8)), [0, 1, 2])
     assert menu.learn(call([], [5, 0, 0], 5)) is menu  # plain decoding ran: nothing tried, no loop
 
     kw = dict(drafter=NgramDrafter(max_n=2), max_new_tokens=MAX_NEW, eos_ids=())
