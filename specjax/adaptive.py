@@ -260,8 +260,8 @@ def menu_costs(
     batch: int,
     context: int,
     sampling: SamplingConfig,
-    new_tokens: int = 64,
-    reps: int = 3,
+    new_tokens: int = 32,
+    reps: int = 9,
 ) -> list[float]:
     """The cost of a round of each menu entry in steps of plain decoding: whole rounds of the compiled loop, each
     entry forced in turn, against the steps of the plain decoding loop (`specjax.calibrate.loop_seconds`), measured
@@ -282,6 +282,7 @@ def menu_costs(
         "context": context,
         "greedy": sampling.greedy,
         "new_tokens": new_tokens,
+        "reps": reps,
     }
     key = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_dir() / "calibration" / f"{key}.json"
