@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from tqdm import tqdm
 
 from decode import cli
@@ -28,6 +29,7 @@ from specjax.calibrate import (
     forward_seconds,
     forward_timers,
     interleaved_medians,
+    prefill_timer,
     round_breakdown,
 )
 from specjax.config import ModelConfig, SamplingConfig
@@ -35,7 +37,7 @@ from specjax.defaults import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM, DEFAULT_TREE
 from specjax.drafters import Drafter, LayerSkipDrafter, drafter_from_spec
 from specjax.errors import InputError
 from specjax.evalsets import chat_prompts, humaneval_prompts
-from specjax.generate import generate
+from specjax.generate import generate, prompt_bucket
 from specjax.io.models import LoadedModel, load_model
 from specjax.plan import weight_bytes
 from specjax.tree import TreeSpec
@@ -57,13 +59,25 @@ class ModeRun:
     repeats: int = 1  # times every batch was timed; the statistics and outputs are those of one pass
     learned: dict | None = None  # adaptive modes: the prior per kind of round and the loop's gain, after the run
 
-    def summary(self, ar: ModeRun | None, greedy: bool, weight_bytes: int, bandwidth: float) -> dict:
+    def summary(
+        self, ar: ModeRun | None, greedy: bool, weight_bytes: int, bandwidth: float, prefills: Sequence[float]
+    ) -> dict:
         """The mode's figures; weights read per second are weight_bytes x forwards over the total time, and their
-        fraction of the device's `bandwidth` (bytes/s)."""
+        fraction of the device's `bandwidth` (bytes/s). `prefills`: each timed batch's prefill, timed alone (the
+        part of its time that is the same in every specjax mode), taken out for the decode speedup."""
         rates = [n / s for n, s in zip(self.batch_tokens, self.batch_seconds)]
         total_tokens, total_seconds = sum(self.batch_tokens), sum(self.batch_seconds)
         tokens_per_s = statistics.median(rates)
         ar_rates = [n / s for n, s in zip(ar.batch_tokens, ar.batch_seconds)] if ar else None
+
+        def decode_rates(run: ModeRun) -> list[float]:  # the floor keeps timing noise from leaving no time at all
+            return [n / max(s - p, s / 100) for n, s, p in zip(run.batch_tokens, run.batch_seconds, prefills)]
+
+        decode_speedup = (
+            statistics.median(r / a for r, a in zip(decode_rates(self), decode_rates(ar)))
+            if ar and self.mode not in PEERS
+            else None
+        )
         read = weight_bytes * self.forwards / total_seconds if self.forwards else None
         stats = (
             speculative.SpecStats.from_histogram(self.rounds, self.histogram, total_tokens, total_seconds)
@@ -79,6 +93,7 @@ class ModeRun:
             "acceptance_by_position": stats.acceptance_by_position if stats else None,
             # Per batch against ar on the same batch (measured next to it), then the median: robust to drift.
             "speedup_vs_ar": statistics.median(r / a for r, a in zip(rates, ar_rates)) if ar else None,
+            "decode_speedup_vs_ar": decode_speedup,  # the same, each batch's prefill taken out of both
             "identical_to_ar": (self.outputs == ar.outputs) if (ar and greedy) else None,
             "weight_bytes_per_s": read,
             "bandwidth_fraction": None if read is None else read / bandwidth,
@@ -236,6 +251,8 @@ def parse_mode(mode: str) -> tuple[str, int | str | None]:
 
 # Peers that draft: their forwards per token are not known here.
 UNCOUNTED_FORWARDS = ("hf-pld",)
+# Peers: their prefill is not specjax's.
+PEERS = ("hf", "hf-pld")
 
 
 def measure(
@@ -284,10 +301,26 @@ def forward_cost_sweep(model: LoadedModel, batch: int, context: int, token_count
     return [{"tokens": t, "ms": 1000 * s, "target_steps": s / step_s} for t, s in zip(token_counts, times)]
 
 
-def add_breakdowns(runs: dict[str, ModeRun], runners: dict[str, Runner], batch: int, context: int) -> None:
+def prefill_seconds(model: LoadedModel, groups, max_new_tokens: int) -> list[float]:
+    """Each batch's prefill (its prompts padded to their bucket, as decoding pads them), timed alone; the buckets'
+    prefills take turns (`interleaved_medians`)."""
+    buckets = [prompt_bucket(max(map(len, group))) for group in groups]
+    sizes = sorted(set(buckets))
+    batch = len(groups[0])
+    timers = [
+        prefill_timer(model.weights, model.cfg, jnp.ones((batch, b), jnp.int32), b + max_new_tokens) for b in sizes
+    ]
+    prefill_at = dict(zip(sizes, interleaved_medians(timers, reps=5)))
+    return [prefill_at[b] for b in buckets]
+
+
+def add_breakdowns(
+    runs: dict[str, ModeRun], runners: dict[str, Runner], batch: int, context: int, prefill_s: float
+) -> None:
     """Measures the target's step and verification costs and the drafter of every fixed-K speculative mode alone,
     at this shape (`batch` rows, `context` committed tokens), all timed in turn (`interleaved_medians`) so that the
-    modes' drafters compare on a shared machine, and splits each such mode's rounds with them."""
+    modes' drafters compare on a shared machine, and splits each such mode's rounds with them, after taking out
+    `prefill_s`, one pass's prefills."""
     fixed = {
         mode: runner
         for mode, runner in runners.items()
@@ -308,8 +341,8 @@ def add_breakdowns(runs: dict[str, ModeRun], runners: dict[str, Runner], batch: 
         run = runs[mode]
         stats = speculative.SpecStats.from_histogram(run.rounds, run.histogram, sum(run.batch_tokens), 1.0)
         run.breakdown = round_breakdown(
-            ForwardCosts(forward_at[1], forward_at[verified[mode]]), sum(run.batch_seconds) / run.repeats,
-            run.rounds, stats.mean_accepted, runner.draft_steps, drafter_s,
+            ForwardCosts(forward_at[1], forward_at[verified[mode]]), sum(run.batch_seconds) / run.repeats, run.rounds,
+            stats.mean_accepted, runner.draft_steps, drafter_s, prefill_s,
         )  # fmt: skip
 
 
@@ -318,9 +351,9 @@ def markdown_table(rows: Sequence[dict]) -> str:
         return "–" if x is None else f"{x:.2f}{suffix}"
 
     lines = [
-        "| mode | tokens/s (median) | speedup vs ar | mean accepted | draft cost c | verify cost | "
+        "| mode | tokens/s (median) | speedup vs ar | decode speedup | mean accepted | draft cost c | verify cost | "
         "predicted speedup | identical to ar | weights read (GB/s) | of bandwidth |",
-        "|---|---:|---:|---:|---:|---:|---:|:---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|",
     ]
     for r in rows:
         same = {None: "–", True: "yes", False: "no"}[r["identical_to_ar"]]
@@ -329,8 +362,9 @@ def markdown_table(rows: Sequence[dict]) -> str:
         fraction = r["bandwidth_fraction"]
         lines.append(
             f"| {r['mode']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'], 'x')} | "
-            f"{fmt(r['mean_accepted'])} | {fmt(b.get('cost_ratio'))} | {fmt(b.get('verify_ratio'), 'x')} | "
-            f"{fmt(b.get('predicted_speedup'), 'x')} | {same} | {fmt(None if read is None else read / 1e9)} | "
+            f"{fmt(r['decode_speedup_vs_ar'], 'x')} | {fmt(r['mean_accepted'])} | {fmt(b.get('cost_ratio'))} | "
+            f"{fmt(b.get('verify_ratio'), 'x')} | {fmt(b.get('predicted_speedup'), 'x')} | {same} | "
+            f"{fmt(None if read is None else read / 1e9)} | "
             f"{'–' if fraction is None else f'{100 * fraction:.1f}%'} |"
         )
     return "\n".join(lines) + "\n"
@@ -345,7 +379,7 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(rows), 3.6))
     names = [r["mode"] for r in rows]
     rates = [r["tokens_per_s"] for r in rows]
-    bars = ax.bar(names, rates, color=["#777" if n in ("ar", "hf", "hf-pld") else "#2a7" for n in names])
+    bars = ax.bar(names, rates, color=["#777" if n in ("ar", *PEERS) else "#2a7" for n in names])
     for bar, r in zip(bars, rows):
         label = f"{r['tokens_per_s']:.1f}" + (f"\n{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "")
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
@@ -446,14 +480,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     runners = {mode: prepare(mode) for mode in modes}
     runs = measure(runners, groups, args.max_new_tokens, args.seed, args.repeats, fresh_samples=not sampling.greedy)
-    add_breakdowns(runs, runners, len(groups[0]), context)
+    prefills = prefill_seconds(model, groups, args.max_new_tokens)
+    add_breakdowns(runs, runners, batch_size, context, sum(prefills))
     for mode, runner in runners.items():
         if isinstance(runner, SpeculativeRunner) and isinstance(runner.num_draft_tokens, Adaptive):
             runs[mode].learned = runner.num_draft_tokens.summary()
     ar = runs.get("ar")
     weights = weight_bytes(model.cfg, model.weights.embed.dtype)
     bandwidth, bandwidth_source = device_bandwidth()
-    rows = [runs[m].summary(ar, sampling.greedy, weights, bandwidth) for m in modes]
+    timed_prefills = [prefills[n % len(groups)] for n in range(len(groups) * args.repeats)]  # as `measure` timed
+    rows = [runs[m].summary(ar, sampling.greedy, weights, bandwidth, timed_prefills) for m in modes]
     sweep = forward_cost_sweep(model, batch_size, context, args.forward_costs) if args.forward_costs else []
     config = {
         "model": args.model, "prompt_set": prompt_set,

@@ -89,6 +89,21 @@ def forward_timers(
     return [timer(t) for t in token_counts]
 
 
+def prefill_timer(
+    weights: Weights, cfg: ModelConfig, tokens: jax.Array, slots: int, lengths: jax.Array | None = None
+) -> Callable[[], Any]:
+    """A call that prefills `tokens` [batch, bucket] (`lengths` valid per row, by default all) into an empty cache
+    of `slots`, as a decode starts."""
+    lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if lengths is None else lengths
+
+    @jax.jit
+    def start(weights, tokens, lengths):
+        cache = jax.lax.optimization_barrier(KVCache.empty(cfg, tokens.shape[0], slots, weights.embed.dtype))
+        return prefill(weights, cfg, tokens, lengths, cache)
+
+    return lambda: start(weights, tokens, lengths)
+
+
 def drafter_seconds(
     drafter: Drafter,
     cfg: ModelConfig,
@@ -171,12 +186,7 @@ def loop_seconds(
     capacity = max((drafter.draft_shape(k) if k else TreeSpec.chain(0)).capacity for k in menu)
     slots = tokens.shape[1] + new_tokens + capacity
 
-    @jax.jit
-    def start(weights, tokens, lengths):
-        cache = jax.lax.optimization_barrier(KVCache.empty(cfg, batch, slots, weights.embed.dtype))
-        return prefill(weights, cfg, tokens, lengths, cache)
-
-    timed = [lambda: start(weights, tokens, lengths), lambda: ar(*ar_args)]
+    timed = [prefill_timer(weights, cfg, tokens, slots, lengths), lambda: ar(*ar_args)]
     timed += [lambda args=args: loop(*args) for args in spec_args]
     rounds = [int(run().rounds) for run in timed[2:]]  # the runs' warm-up
     jax.block_until_ready([run() for run in timed[:2]])
@@ -213,6 +223,7 @@ def round_breakdown(
     mean_accepted: float,
     num_draft_tokens: int,
     drafter_s: float | None = None,
+    prefill_s: float = 0.0,
 ):
     """Splits a speculative run's time per round into verification and drafting, and predicts its speedup.
 
@@ -223,19 +234,21 @@ def round_breakdown(
       mean_accepted: tokens per round, bonus included.
       num_draft_tokens: K (for trees: the depth).
       drafter_s: optionally, the drafter's own work per round measured alone (`drafter_seconds`).
+      prefill_s: the run's prefills, measured alone, taken out of `seconds` before it is split.
     Returns:
-      dict with round_ms, verify_ms, draft_ms (the round minus the verification: drafting and the loop's own work),
-      cost_ratio c (draft_ms over K target steps), verify_ratio, alpha (per-token acceptance rate implied by
-      mean_accepted) and predicted_speedup = expected tokens per round / (verify_ratio + K c); with drafter_s also
-      drafter_ms and rest_ms = draft_ms - drafter_ms.
+      dict with prefill_ms, round_ms, verify_ms, draft_ms (the round minus the verification: drafting and the
+      loop's own work), cost_ratio c (draft_ms over K target steps), verify_ratio, alpha (per-token acceptance rate
+      implied by mean_accepted) and predicted_speedup = expected tokens per round / (verify_ratio + K c); with
+      drafter_s also drafter_ms and rest_ms = draft_ms - drafter_ms.
     """
     K = num_draft_tokens
-    round_s = seconds / max(rounds, 1)
+    round_s = (seconds - prefill_s) / max(rounds, 1)
     draft_s = max(round_s - costs.verify_s, 0.0)
     c = draft_s / (K * costs.step_s)
     alpha = acceptance_rate_from_mean(min(mean_accepted, K + 1), K)
     predicted = expected_tokens_per_round(alpha, K) / (costs.verify_ratio + K * c)
     return {
+        "prefill_ms": 1000 * prefill_s,
         "round_ms": 1000 * round_s,
         "verify_ms": 1000 * costs.verify_s,
         "draft_ms": 1000 * draft_s,

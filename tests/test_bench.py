@@ -36,13 +36,17 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
         assert r["total_tokens"] == rows["ar"]["total_tokens"]
         if mode != "ngram:auto":  # a fixed K: its round's time split; adaptive rounds have no one K to split
             assert r["breakdown"]["verify_ratio"] > 0 and r["breakdown"]["drafter_ms"] > 0
+            assert r["breakdown"]["prefill_ms"] > 0  # the 4 batches' prefills, out of the rounds' time
     assert "breakdown" not in rows["ngram:auto"]
     by_size = rows["ngram:auto"]["rounds_by_drafts"]  # the menu entries that win at some rate, of 0, 1, 2, 3, 5, 8
     assert set(by_size) <= {"0", "1", "2", "3", "5", "8"} and len(by_size) > 1 and sum(by_size.values()) > 0
     learned = rows["ngram:auto"]["learned"]  # over the batches: a prior per matched tail length, 0..3
     assert len(learned["prior"]) == 4 and all(0 <= p <= 1 for p in learned["prior"]) and learned["prior"] != [0.6] * 4
     assert learned["loop_gain"] > 0
-    assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0) and rows["ar"]["decode_speedup_vs_ar"] == pytest.approx(
+        1.0
+    )
+    assert all(r["decode_speedup_vs_ar"] > 0 for r in rows.values())
     # Weights read: one forward per token of ar (batch 1), fewer for a speculative mode; against the bandwidth.
     config = report["config"]
     assert config["bandwidth_bytes_per_s"] == 1e10 and config["bandwidth_source"] == "measured"
@@ -57,7 +61,7 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
     assert table.count("\n") == (2 + 5) + 1 + (2 + 2) and "| ngram:auto |" in table and "| 4 |" in table
     header, _, *mode_lines = table.splitlines()[:7]
     assert header.endswith("| identical to ar | weights read (GB/s) | of bandwidth |")
-    assert all(line.count("|") == 11 and line.endswith("% |") for line in mode_lines)
+    assert all(line.count("|") == 12 and line.endswith("% |") for line in mode_lines)
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "| layerskip |" in capsys.readouterr().out
 
@@ -78,9 +82,13 @@ def test_measure_interleaves_modes_and_pairs_speedups():
     )
     # A warm-up each, then batch 1 from the first mode, batch 2 from the second: no mode always runs first.
     assert calls == [("ar", 10), ("fast", 10), ("ar", 10), ("fast", 10), ("fast", 10), ("ar", 10)]
-    summary = runs["fast"].summary(runs["ar"], greedy=True, weight_bytes=100, bandwidth=1e4)
-    assert summary["speedup_vs_ar"] == pytest.approx(2.0)
+    summary = runs["fast"].summary(runs["ar"], greedy=True, weight_bytes=100, bandwidth=1e4, prefills=[0.0, 0.0])
+    assert summary["speedup_vs_ar"] == pytest.approx(2.0) and summary["decode_speedup_vs_ar"] == pytest.approx(2.0)
     assert summary["tokens_per_s"] == pytest.approx(statistics.median([20.0, 10.0]))
+    # A 0.25 s prefill in every batch of both: the decoding alone is faster still (0.75 / 0.25 s, 1.75 / 0.75 s).
+    summary = runs["fast"].summary(runs["ar"], greedy=True, weight_bytes=100, bandwidth=1e4, prefills=[0.25, 0.25])
+    assert summary["speedup_vs_ar"] == pytest.approx(2.0)
+    assert summary["decode_speedup_vs_ar"] == pytest.approx(statistics.median([3.0, 1.75 / 0.75]))
 
 
 def test_repeats_time_every_batch_again_and_keep_one_pass_of_outputs():

@@ -23,6 +23,9 @@ def test_round_breakdown_splits_time_and_predicts_from_the_model():
     # The drafter's own work measured at 12 ms: the other 8 ms are the loop's.
     b = round_breakdown(costs, seconds=0.5, rounds=10, mean_accepted=3.0, num_draft_tokens=4, drafter_s=0.012)
     assert b["drafter_ms"] == pytest.approx(12) and b["rest_ms"] == pytest.approx(8)
+    # The same rounds after 100 ms of prefills: those are taken out before the split.
+    b = round_breakdown(costs, seconds=0.6, rounds=10, mean_accepted=3.0, num_draft_tokens=4, prefill_s=0.1)
+    assert b["prefill_ms"] == pytest.approx(100) and b["round_ms"] == pytest.approx(50)
 
 
 def test_forward_costs_are_measured():
