@@ -393,7 +393,7 @@ def test_a_dflash_run_can_start_at_an_exported_draft_of_its_shape(dflash_run, tm
 
 
 def test_init_from_takes_a_shipped_head_by_name():
-    from specjax.drafters.eagle3 import BUILTIN_HEADS
+    from specjax.drafters.base import SHIPPED_DRAFTS
     from specjax.io.models import load_model
     from train.config import load_config
     from train.run import initial_draft
@@ -405,7 +405,7 @@ def test_init_from_takes_a_shipped_head_by_name():
     cfg = load_config(ROOT / "configs" / "smollm2-eagle3.yaml", ["training.init_from=smollm2-135m",
                                                                  "model.draft_vocab_size=4096"])  # fmt: skip
     assert initial_draft(cfg, model)[0].tap_layers == (2, 15, 27)
-    assert BUILTIN_HEADS["smollm2-135m"].is_dir()
+    assert all(folder.is_dir() for folder in SHIPPED_DRAFTS.values())
 
 
 def test_evaluate_before_any_step_measures_the_starting_head_of_an_init_from_run(smoke_run, tmp_path, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.models.dflash import (
     DFlashConfig,
@@ -83,8 +84,9 @@ def block_loss(
     )
     ctx_k, ctx_v = context_kv(w, cfg, taps_btf, positions)
     context_mask, own_block = block_masks(segments, anchors, Bs)
-    h = block_hidden(w, cfg, embed_vd, ids, block_positions, ctx_k, ctx_v, context_mask, own_block)
-    logp = jax.nn.log_softmax(draft_logits(scored_head(w, head_vd), h).reshape(B, num_anchors, Bs, -1), axis=-1)
+    drafts = np.flatnonzero(np.arange(num_anchors * Bs) % Bs)  # every block row but the anchors
+    h = block_hidden(w, cfg, embed_vd, ids, block_positions, ctx_k, ctx_v, context_mask, own_block, drafts)
+    logp = jax.nn.log_softmax(draft_logits(scored_head(w, head_vd), h).reshape(B, num_anchors, Bs - 1, -1), axis=-1)
 
     at = anchors[..., None] + jnp.arange(Bs)  # [B, N, Bs]: the row each block position predicts
     inside = at < T
@@ -97,8 +99,9 @@ def block_loss(
     assistant = jnp.take_along_axis(rows["loss_mask"], at, 1).reshape(B, num_anchors, Bs) > 0
     supervised = (ok[..., None] & inside & same_sample & assistant & (label >= 0))[..., 1:].astype(jnp.float32)
 
-    nll = -jnp.take_along_axis(logp, jnp.maximum(label, 0)[..., None], axis=-1)[..., 0][..., 1:]
-    agree = (jnp.argmax(logp, axis=-1) == label)[..., 1:]
+    label = label[..., 1:]
+    nll = -jnp.take_along_axis(logp, jnp.maximum(label, 0)[..., None], axis=-1)[..., 0]
+    agree = jnp.argmax(logp, axis=-1) == label
     weight = supervised * jnp.exp(-jnp.arange(Bs - 1) / gamma)
     loss = jnp.sum(weight * nll) / jnp.maximum(weight.sum(), 1e-6)
     counted = supervised.sum((0, 1))

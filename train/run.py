@@ -34,7 +34,7 @@ from decode.cli import read_prompts_file
 from specjax import speculative
 from specjax.defaults import EVAL_DRAFT_TOKENS, EVAL_TREE
 from specjax.drafters import DFlashDrafter, Eagle3Drafter
-from specjax.drafters.eagle3 import BUILTIN_HEADS
+from specjax.drafters.base import draft_folder
 from specjax.errors import InputError, SpecjaxError
 from specjax.evalsets import chat_prompts, humaneval_prompts
 from specjax.io.dflash_checkpoint import load_dflash, save_dflash
@@ -147,8 +147,8 @@ SHAPE_FIELDS = {
 
 
 def initial_head_path(cfg: TrainConfig) -> Path:
-    """The folder of the `training.init_from` draft: a path, or the name of a head shipped with specjax."""
-    return Path(BUILTIN_HEADS.get(cfg.training.init_from, cfg.training.init_from))
+    """The folder of the `training.init_from` draft: a path, or the name of a draft shipped with specjax."""
+    return draft_folder(cfg.model.drafter, cfg.training.init_from)
 
 
 def initial_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[Eagle3Config | DFlashConfig, Any]:

@@ -53,8 +53,8 @@ __all__ = [
 SPEC_HELP = (
     f"none, ngram[:N] (N = longest n-gram, default {DEFAULT_NGRAM}), layerskip:N (first N layers), model:PATH, "
     "eagle3:PATH (an EAGLE-3 head folder, or eagle3:smollm2-135m for the built-in head; with --tree for tree "
-    "drafting), dflash:PATH (a DFlash draft folder), or ngram[:N]+SPEC (prompt lookup where the last N tokens recur, "
-    "the chain drafter SPEC elsewhere)"
+    "drafting), dflash:PATH (a DFlash draft folder, or dflash:smollm2-135m for the built-in draft), or ngram[:N]+SPEC "
+    "(prompt lookup where the last N tokens recur, the chain drafter SPEC elsewhere)"
 )
 
 

@@ -24,6 +24,7 @@ drafts, then the correction or bonus token), cut at EOS and at max_new_tokens (n
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -32,6 +33,17 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig
 from specjax.sampling import Sampling, probabilities
 from specjax.tree import DraftTree, TreeSpec
+
+# Drafts shipped inside the package, by kind and name: those specjax trained for the embedded SmolLM2.
+SHIPPED_DRAFTS = {
+    (kind, "smollm2-135m"): Path(__file__).resolve().parent.parent / "heads" / f"smollm2-135m-{kind}"
+    for kind in ("eagle3", "dflash")
+}
+
+
+def draft_folder(kind: str, name_or_path: str) -> Path:
+    """The folder of a draft of `kind` ("eagle3" or "dflash"): a shipped one by its name, else the path given."""
+    return Path(SHIPPED_DRAFTS.get((kind, name_or_path), name_or_path))
 
 
 @runtime_checkable

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.drafters.base import BaseDrafter, draw
+from specjax.drafters.base import BaseDrafter, draft_folder, draw
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
 from specjax.models.dflash import (
@@ -83,9 +83,9 @@ class DFlashDrafter(BaseDrafter):
         ctx_mask = jnp.arange(S)[None, None, :] < cache.lengths[:, None, None]
         h = block_hidden(
             self.weights, self.cfg, self.embed_vd, ids, positions, cache.k, cache.v,
-            jnp.broadcast_to(ctx_mask, (B, Bs, S)), jnp.ones((B, Bs, Bs), bool),
+            jnp.broadcast_to(ctx_mask, (B, Bs, S)), jnp.ones((B, Bs, Bs), bool), out_rows=slice(1, num_rows + 1),
         )  # fmt: skip
-        return draft_logits(self.scored_vd, h[:, 1 : num_rows + 1])
+        return draft_logits(self.scored_vd, h)
 
     def propose(self, cache: KVCache, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
         """Rows 1..K of one block: the whole block runs whatever K is (its rows attend to each other)."""
@@ -100,8 +100,10 @@ class DFlashDrafter(BaseDrafter):
 
 
 def load_dflash_drafter(path: str, target_cfg: ModelConfig, target_weights: Any) -> DFlashDrafter:
-    """Loads a DFlash draft folder (config.json + safetensors) for this target. Raises CheckpointError / InputError."""
+    """Loads a DFlash draft folder (config.json + safetensors), or a shipped draft by name (e.g. "smollm2-135m"), for
+    this target. Raises CheckpointError / InputError."""
     from specjax.io.dflash_checkpoint import load_dflash
 
-    cfg, weights = load_dflash(path, target_cfg, dtype=target_weights.embed.dtype)  # checks it serves this target
+    folder = draft_folder("dflash", path)
+    cfg, weights = load_dflash(folder, target_cfg, dtype=target_weights.embed.dtype)  # checks it serves this target
     return DFlashDrafter.for_target(weights, cfg, target_weights)

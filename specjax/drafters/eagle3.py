@@ -14,7 +14,6 @@ row's query and features); the rest of the layer and the reduced LM head run for
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.drafters.base import BaseDrafter, draw
+from specjax.drafters.base import BaseDrafter, draft_folder, draw
 from specjax.errors import InputError
 from specjax.kv_cache import KVCache
 from specjax.models.eagle3 import Eagle3Head
@@ -228,10 +227,6 @@ def _draw(head: Eagle3Head, key: jax.Array, logits_bv: jax.Array, sampling: Samp
     return draw(key, head.logits_to_target(logits_bv), sampling)
 
 
-# Heads shipped inside the package, by name: the EAGLE-3 head trained by specjax for the embedded SmolLM2.
-BUILTIN_HEADS = {"smollm2-135m": Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3"}
-
-
 def load_eagle3_drafter(
     path: str, target_cfg: ModelConfig, target_embed: jax.Array, tree: TreeSpec | None = None
 ) -> Eagle3Drafter:
@@ -239,7 +234,7 @@ def load_eagle3_drafter(
     target. Raises CheckpointError / InputError."""
     from specjax.io.eagle3_checkpoint import load_eagle3
 
-    _, head = load_eagle3(BUILTIN_HEADS.get(path, path), target_cfg, dtype=target_embed.dtype)
+    _, head = load_eagle3(draft_folder("eagle3", path), target_cfg, dtype=target_embed.dtype)
     drafter = Eagle3Drafter.create(head, target_embed, tree)
     drafter.validate(target_cfg, 1)
     return drafter

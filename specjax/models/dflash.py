@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.config import ModelConfig, rope_scaling_from_hf
 from specjax.errors import CheckpointError, InputError
@@ -239,6 +240,7 @@ def block_hidden(
     ctx_v: jax.Array,
     ctx_mask_bts: jax.Array,
     new_mask_btt: jax.Array,
+    out_rows: slice | np.ndarray | None = None,
 ) -> jax.Array:
     """The draft over block rows (one block per row at inference; many blocks side by side in training).
 
@@ -249,23 +251,30 @@ def block_hidden(
       ctx_k, ctx_v: [L, B, C, K, H] context keys/values (`context_kv`).
       ctx_mask_bts: bool [B, T, C], the context rows each block row sees (the positions before its anchor).
       new_mask_btt: bool [B, T, T], the block rows each block row sees (its own block, both directions).
+      out_rows: the block rows whose states are returned (a slice or static indices; None: all). The last layer
+        runs its queries, attention and MLP for these rows alone; every layer's keys and values span all T rows.
     Returns:
-      The final-normed hidden states [B, T, D], for the target's LM head.
+      The final-normed hidden states [B, R, D] of the R rows `out_rows` names, for the target's LM head.
     """
-    B, T = ids_bt.shape
     stack = cfg.layers
     inv_freq, eps = rope_inv_freq(stack), stack.rms_norm_eps
 
-    def layer(x_btd, xs):
-        lw, k_ctx, v_ctx = xs
+    def layer(x_btd, lw, k_ctx, v_ctx, rows):
         h = rms_norm(x_btd, lw.attn_norm, eps)
-        q = queries(lw, h, positions_bt, inv_freq, eps).reshape(B, T, stack.num_kv_heads, -1, stack.head_dim)
         k, v = keys_values(lw, h, positions_bt, inv_freq, eps)
-        attn = attend(q, k_ctx, v_ctx, k, v, ctx_mask_bts, new_mask_btt)
-        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn.reshape(B, T, stack.num_heads, -1), lw.o)
-        return mlp_block(lw, x_btd, eps), None
+        q = queries(lw, h[:, rows], positions_bt[:, rows], inv_freq, eps)
+        B, R = q.shape[:2]
+        q = q.reshape(B, R, stack.num_kv_heads, -1, stack.head_dim)
+        attn = attend(q, k_ctx, v_ctx, k, v, ctx_mask_bts[:, rows], new_mask_btt[:, rows])
+        x_btd = x_btd[:, rows] + jnp.einsum("btnh,nhd->btd", attn.reshape(B, R, stack.num_heads, -1), lw.o)
+        return mlp_block(lw, x_btd, eps)
 
-    x_btd, _ = jax.lax.scan(layer, embed_vd[ids_bt].astype(w.fc.dtype), (w.layers, ctx_k, ctx_v), unroll=True)
+    x_btd = embed_vd[ids_bt].astype(w.fc.dtype)
+    last = stack.num_layers - 1
+    for i in range(stack.num_layers):
+        lw = jax.tree.map(lambda a, i=i: a[i], w.layers)
+        rows = out_rows if i == last and out_rows is not None else slice(None)
+        x_btd = layer(x_btd, lw, ctx_k[i], ctx_v[i], rows)
     return rms_norm(x_btd, w.norm, eps)
 
 

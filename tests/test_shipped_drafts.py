@@ -1,0 +1,25 @@
+"""The drafts shipped with specjax load by name for the embedded SmolLM2, decode greedily exactly as plain decoding
+does, and are trained: their drafts are accepted (a random draft's almost never are)."""
+
+import pytest
+
+from specjax import speculative
+from specjax.drafters import drafter_from_spec
+from specjax.generate import generate
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+]
+
+
+@pytest.mark.parametrize("spec", ["eagle3:smollm2-135m", "dflash:smollm2-135m"])
+def test_a_shipped_draft_decodes_like_plain_greedy_and_is_accepted(smollm2, spec):
+    prompts = [smollm2.tokenizer.chat_prompt_ids(p) for p in PROMPTS]
+    drafter = drafter_from_spec(spec, smollm2.weights, smollm2.cfg)
+    plain = generate(smollm2.weights, smollm2.cfg, prompts, max_new_tokens=48, eos_ids=())
+    spec_out = speculative.generate(
+        smollm2.weights, smollm2.cfg, prompts, drafter=drafter, num_draft_tokens=4, max_new_tokens=48, eos_ids=()
+    )
+    assert [c.output_ids for c in spec_out.completions] == [c.output_ids for c in plain.completions]
+    assert spec_out.stats.mean_accepted > 1.3, spec_out.stats
