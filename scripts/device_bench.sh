@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # specjax on one accelerator, offline, in under 8 minutes on a GPU: specjax-bench on the embedded SmolLM2-135M with
-# its shipped EAGLE-3 head (bfloat16 on accelerators), modes ar, ngram, eagle3-chain, eagle3-tree at batch 1 and 8;
+# its shipped drafts (bfloat16 on accelerators), modes ar, ngram, eagle3-chain (5 and 2), eagle3-tree and dflash:8
+# at batch 1 and 8 (the breakdown's drafter ms: DFlash K = 8 against EAGLE-3 K = 2);
 # then a random Llama-3-8B-shaped target (scripts/device_bench.py): one-step latency, verification cost by tokens,
 # autoregressive tokens/s against the bandwidth roofline. JSON and Markdown tables go to OUT (default
 # device_bench_out). SHRINK=1 shrinks the 8B-shaped target so that the script also runs on a CPU.
@@ -15,8 +16,9 @@ if [[ "${SHRINK:-0}" == 1 ]]; then TINY=--tiny; fi
 mkdir -p "$OUT"
 
 bench() {  # bench BATCH PROMPTS
-  "$PYTHON" -m decode.bench --model smollm2-135m --modes ar,ngram,eagle3-chain,eagle3-tree --eagle3 smollm2-135m \
-    --batch-size "$1" --num-prompts "$2" --max-new-tokens 128 --out-dir "$OUT/smollm2-b$1"
+  "$PYTHON" -m decode.bench --model smollm2-135m --modes ar,ngram,eagle3-chain,eagle3-chain:2,eagle3-tree,dflash:8 \
+    --eagle3 smollm2-135m --dflash smollm2-135m --batch-size "$1" --num-prompts "$2" --max-new-tokens 128 \
+    --out-dir "$OUT/smollm2-b$1"
 }
 bench 1 6
 bench 8 16

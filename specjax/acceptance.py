@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import Sampling, probabilities
+from specjax.sampling import Sampling, in_target_vocab, probabilities
 from specjax.tree import DraftTree
 
 
@@ -82,7 +82,7 @@ def recursive_rejection(
     u_bmk = jnp.concatenate([u_bmk, jnp.ones_like(u_bmk[:, :1])], axis=1)
     p, q = target_probs_bmv, draft.draft_probs
     if draft.vocab_ids is not None:
-        q = jnp.zeros((B, M, V), q.dtype).at[..., draft.vocab_ids].set(q)
+        q = in_target_vocab(q, draft.vocab_ids, V)
     chosen = jnp.full((B, M), -1, jnp.int32)
     for i in range(u_bmk.shape[-1]):
         child = draft.children[..., i]

@@ -144,3 +144,12 @@ def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, process_logits(logits, sampling), axis=-1).astype(jnp.int32)
+
+
+def in_target_vocab(probs: jax.Array, vocab_ids: jax.Array, vocab_size: int) -> jax.Array:
+    """Probabilities over a draft vocabulary [..., Vd] (column j: target id vocab_ids[j]) as probabilities over the
+    target's vocab_size ids, 0 outside it. Each target id reads its draft column or an appended zero: a gather, which a
+    CPU runs faster than the equivalent scatter."""
+    Vd = vocab_ids.shape[0]
+    column = jnp.full((vocab_size,), Vd, jnp.int32).at[vocab_ids].set(jnp.arange(Vd, dtype=jnp.int32))
+    return jnp.concatenate([probs, jnp.zeros_like(probs[..., :1])], axis=-1)[..., column]

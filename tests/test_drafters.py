@@ -18,6 +18,7 @@ from specjax.drafters import (
     ModelDrafter,
     NgramDrafter,
     drafter_from_spec,
+    draw,
     ngram_lookup,
     ngram_proposal,
 )
@@ -27,7 +28,7 @@ from specjax.generate import pack_prompts
 from specjax.io.hf import save_hf
 from specjax.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
-from specjax.sampling import Sampling
+from specjax.sampling import Sampling, probabilities
 from specjax.tree import TreeSpec
 
 CFG = ModelConfig("llama", 64, 32, 64, 3, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
@@ -88,6 +89,23 @@ def truncated(n):
 def propose(drafter, tokens_bs, length_b, key, k, sampling):
     state = drafter.init(tokens_bs, length_b - 1, tokens_bs.shape[1] + k + 2)
     return drafter.propose(state, tokens_bs, length_b, key, num_draft_tokens=k, vocab_size=64, sampling=sampling)[:2]
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.0, top_k=3), dict(temperature=1.3, top_p=0.6)],
+)
+def test_a_draw_in_a_draft_vocabulary_is_the_draw_over_target_logits_masked_outside_it(setting):
+    V, vocab_ids = 40, jnp.asarray([2, 5, 6, 11, 17, 23, 30, 39], jnp.int32)
+    logits = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3, len(vocab_ids))) * 2, jnp.float32)
+    full_logits = jnp.full((2, 3, V), -jnp.inf).at[..., vocab_ids].set(logits)
+    rows = Sampling.of([SamplingConfig(**setting), SamplingConfig(**setting)])
+    token, probs = draw(jax.random.key(4), logits, rows, vocab_ids, V)
+    np.testing.assert_allclose(probs, probabilities(full_logits, rows), rtol=1e-6, atol=1e-7)
+    assert probs.shape == (2, 3, V) and np.all(np.isin(np.asarray(token), np.asarray(vocab_ids)))
+    assert np.all(np.take_along_axis(np.asarray(probs), np.asarray(token)[..., None], -1) > 0)
+    if rows.greedy:
+        assert np.array_equal(token, jnp.argmax(full_logits, -1))
 
 
 def test_layer_skip_drafts_like_the_truncated_target():

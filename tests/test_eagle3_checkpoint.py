@@ -102,7 +102,7 @@ def _draft(head, embed, ids, taps):
     logits, out, cache = head.step(head.embed_tokens(ids, embed), head.fuse(taps), jnp.arange(T)[None] + 9,
                                    head.empty_cache(B, T + 1))  # fmt: skip
     cache = cache.advance(jnp.full((B,), T))
-    token = head.draft_to_target(jnp.argmax(logits[:, -1:], -1))
+    token = head.target_ids_of_draft_vocab()[jnp.argmax(logits[:, -1:], -1)]
     logits2, _, _ = head.step(head.embed_tokens(token, embed), out[:, -1:], jnp.full((B, 1), T + 9), cache)
     return logits, logits2
 
@@ -386,6 +386,6 @@ def test_full_vocabulary_head_without_buffers_and_zero_embedding_loads(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**cfg.to_hf(), "draft_vocab_size": None}))
     cfg2, head2 = load_eagle3(tmp_path, TARGET)
     assert cfg2 == cfg and head2.embed is None
-    assert np.array_equal(np.asarray(head2.draft_to_target(jnp.arange(80))), np.arange(80))
+    assert np.array_equal(np.asarray(head2.target_ids_of_draft_vocab()), np.arange(80))
     for a, b in zip(draft_logits(head), draft_logits(head2)):
         np.testing.assert_array_equal(a, b)

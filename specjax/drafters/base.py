@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.sampling import Sampling, probabilities
+from specjax.sampling import Sampling, in_target_vocab, probabilities
 from specjax.tree import DraftTree, TreeSpec
 
 # Drafts shipped inside the package, by kind and name: those specjax trained for the embedded SmolLM2.
@@ -171,13 +171,31 @@ class BaseDrafter:
         return DraftTree.chain(pending_b, draft_bk, draft_probs_bkv), state
 
 
-def draw(key: jax.Array, logits_bv: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array]:
+def draw(
+    key: jax.Array,
+    logits_bv: jax.Array,
+    sampling: Sampling,
+    vocab_ids: jax.Array | None = None,
+    vocab_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Draws a token from processed logits [B, ..., V] and returns it with the distribution it was drawn from.
+
+    With `vocab_ids` (int32 [Vd], the target id of each logit column) the logits are a draft vocabulary's: the
+    processing and the draw run over its Vd columns, and the token and distribution come back in the target's
+    `vocab_size` ids, probability 0 elsewhere. That is the draw over target logits that are -inf outside the draft
+    vocabulary (temperature, top-k and top-p keep the same tokens), at Vd / V of the cost.
 
     Returns:
       (token int32 [B, ...], draft_probs float32 [B, ..., V]); greedy: the argmax and its one-hot.
     """
     probs = probabilities(logits_bv, sampling)
     if sampling.greedy:
-        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32), probs
-    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32), probs
+        token = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    else:
+        token = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+    if vocab_ids is None:
+        return token, probs
+    token = vocab_ids[token]
+    if sampling.greedy:
+        return token, jax.nn.one_hot(token, vocab_size, dtype=probs.dtype)
+    return token, in_target_vocab(probs, vocab_ids, vocab_size)

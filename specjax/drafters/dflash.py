@@ -28,7 +28,6 @@ from specjax.models.dflash import (
     context_kv,
     draft_logits,
     scored_head,
-    to_target_vocab,
 )
 from specjax.models.llama import head_rows
 
@@ -91,11 +90,7 @@ class DFlashDrafter(BaseDrafter):
         """Rows 1..K of one block: the whole block runs whatever K is (its rows attend to each other)."""
         pending_b = jnp.take_along_axis(tokens_bs, (length_b - 1)[:, None], axis=1)[:, 0]
         logits_bkv = self.block_logits(cache, pending_b, num_draft_tokens)
-        if sampling.greedy:  # greedy acceptance reads only the tokens
-            best = jnp.argmax(logits_bkv, axis=-1).astype(jnp.int32)
-            tokens = best if self.weights.vocab_ids is None else self.weights.vocab_ids[best]
-            return tokens, jax.nn.one_hot(tokens, vocab_size, dtype=jnp.float32), cache
-        tokens, probs = draw(key, to_target_vocab(self.weights, logits_bkv, vocab_size), sampling)
+        tokens, probs = draw(key, logits_bkv, sampling, self.weights.vocab_ids, vocab_size)
         return tokens, probs, cache
 
 

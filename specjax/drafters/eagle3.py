@@ -219,12 +219,8 @@ class Eagle3Drafter(BaseDrafter):
 
 
 def _draw(head: Eagle3Head, key: jax.Array, logits_bv: jax.Array, sampling: Sampling):
-    """`draw` from draft-vocabulary logits [B, Vd]: (target id [B], draft_probs [B, V]). Greedy picks the argmax
-    among the Vd columns (the one-hot it returns is not read by greedy acceptance, so it is never computed)."""
-    if sampling.greedy:
-        token = head.draft_to_target(jnp.argmax(logits_bv, axis=-1).astype(jnp.int32))
-        return token, jax.nn.one_hot(token, head.cfg.vocab_size, dtype=jnp.float32)
-    return draw(key, head.logits_to_target(logits_bv), sampling)
+    """`draw` from draft-vocabulary logits [B, Vd]: (target id [B], draft_probs [B, V])."""
+    return draw(key, logits_bv, sampling, head.target_ids_of_draft_vocab(), head.cfg.vocab_size)
 
 
 def load_eagle3_drafter(

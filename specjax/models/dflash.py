@@ -288,14 +288,6 @@ def draft_logits(scored_vd: jax.Array, h_btd: jax.Array) -> jax.Array:
     return jnp.einsum("btd,vd->btv", h_btd.astype(scored_vd.dtype), scored_vd, preferred_element_type=jnp.float32)
 
 
-def to_target_vocab(w: DFlashWeights, logits: jax.Array, vocab_size: int) -> jax.Array:
-    """Logits over the target's V ids (-inf where the draft scores none)."""
-    if w.vocab_ids is None:
-        return logits
-    full = jnp.full((*logits.shape[:-1], vocab_size), -jnp.inf, logits.dtype)
-    return full.at[..., w.vocab_ids].set(logits)
-
-
 def block_inputs(cfg: DFlashConfig, anchors_bn: jax.Array, anchor_ids_bn: jax.Array):
     """Token ids and positions [B, N * Bs] of N blocks per row (block n: its anchor at anchors_bn, then masks)."""
     Bs = cfg.block_size

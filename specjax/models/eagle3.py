@@ -523,26 +523,9 @@ class Eagle3Head(nnx.Module):
 
     # -- vocabularies ----------------------------------------------------------------------------------------
 
-    def draft_to_target(self, draft_ids: jax.Array) -> jax.Array:
-        """Target-vocabulary ids of draft-vocabulary ids: draft + d2t[draft]."""
-        return draft_ids + self.d2t[...][draft_ids]
-
     def target_ids_of_draft_vocab(self) -> jax.Array:
         """int32 [Vd]: the target id of every draft id (where draft probabilities land in the target vocabulary)."""
         return jnp.arange(self.cfg.draft_vocab_size, dtype=jnp.int32) + self.d2t[...]
-
-    def probs_to_target(self, draft_probs: jax.Array) -> jax.Array:
-        """Scatters draft-vocabulary probabilities [..., Vd] into the target vocabulary [..., V] (zeros elsewhere)."""
-        out = jnp.zeros((*draft_probs.shape[:-1], self.cfg.vocab_size), draft_probs.dtype)
-        return out.at[..., self.target_ids_of_draft_vocab()].set(draft_probs)
-
-    def logits_to_target(self, draft_logits: jax.Array) -> jax.Array:
-        """Scatters draft logits [..., Vd] into target-vocabulary logits [..., V], -inf outside the draft vocabulary.
-
-        softmax / argmax over the result equal those over the draft logits, mapped through d2t.
-        """
-        out = jnp.full((*draft_logits.shape[:-1], self.cfg.vocab_size), -jnp.inf, draft_logits.dtype)
-        return out.at[..., self.target_ids_of_draft_vocab()].set(draft_logits)
 
 
 def t2d_from_d2t(d2t: jax.Array, vocab_size: int) -> jax.Array:
