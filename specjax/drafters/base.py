@@ -188,14 +188,13 @@ def draw(
     Returns:
       (token int32 [B, ...], draft_probs float32 [B, ..., V]); greedy: the argmax and its one-hot.
     """
-    probs = probabilities(logits_bv, sampling)
     if sampling.greedy:
         token = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    else:
-        token = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+        if vocab_ids is not None:
+            token = vocab_ids[token]
+        return token, jax.nn.one_hot(token, vocab_size or logits_bv.shape[-1], dtype=jnp.float32)
+    probs = probabilities(logits_bv, sampling)
+    token = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
     if vocab_ids is None:
         return token, probs
-    token = vocab_ids[token]
-    if sampling.greedy:
-        return token, jax.nn.one_hot(token, vocab_size, dtype=probs.dtype)
-    return token, in_target_vocab(probs, vocab_ids, vocab_size)
+    return vocab_ids[token], in_target_vocab(probs, vocab_ids, vocab_size)
