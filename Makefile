@@ -28,7 +28,7 @@ test: dev
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 lint: dev
-	$(BIN)/ruff check specjax decode train tests scripts
+	$(BIN)/ruff check specjax tests scripts
 
 clean:
 	rm -rf $(VENV) build *.egg-info

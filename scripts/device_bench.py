@@ -22,13 +22,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode import cli  # noqa: E402
-from specjax.bandwidth import device_bandwidth  # noqa: E402
-from specjax.calibrate import forward_seconds  # noqa: E402
+from specjax.cli import common as cli  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
-from specjax.generate import generate  # noqa: E402
+from specjax.decoding.autoregressive import generate  # noqa: E402
+from specjax.measure.bandwidth import device_bandwidth  # noqa: E402
+from specjax.measure.memory import check_fits, device_memory, memory_plan, weight_bytes  # noqa: E402
+from specjax.measure.timing import forward_seconds  # noqa: E402
 from specjax.models.llama import init_weights  # noqa: E402
-from specjax.plan import check_fits, device_memory, memory_plan, weight_bytes  # noqa: E402
 
 LLAMA3_8B = ModelConfig(
     "llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     cli.check_positive("--max-new-tokens", args.max_new_tokens)
     out_dir = cli.check_output_dir(args.out_dir)
     cfg = TINY if args.tiny else LLAMA3_8B
-    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16  # as specjax.io.models.load_model
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16  # as specjax.io.loading.load_model
     available = device_memory()
     plans = {
         b: check_fits(lambda rows: memory_plan(cfg, dtype, batch=rows, prompt_len=args.context,

@@ -16,7 +16,7 @@ if [[ "${SHRINK:-0}" == 1 ]]; then TINY=--tiny; fi
 mkdir -p "$OUT"
 
 bench() {  # bench BATCH PROMPTS
-  "$PYTHON" -m decode.bench --model smollm2-135m --modes ar,ngram,eagle3-chain,eagle3-chain:2,eagle3-tree,dflash:8 \
+  "$PYTHON" -m specjax.cli.bench --model smollm2-135m --modes ar,ngram,eagle3-chain,eagle3-chain:2,eagle3-tree,dflash:8 \
     --eagle3 smollm2-135m --dflash smollm2-135m --batch-size "$1" --num-prompts "$2" --max-new-tokens 128 \
     --out-dir "$OUT/smollm2-b$1"
 }

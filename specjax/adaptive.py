@@ -6,7 +6,7 @@ entry and `lax.switch`es between them each round, so the shapes stay fixed and n
 
 The choice (`choose`). Each row keeps a running estimate r_b of its acceptance rate per draft depth. A round whose
 draft is d deep is expected to emit E_b = (1 - r^(d+1)) / (1 - r) tokens in row b (the model of Leviathan et al.
-2023, `specjax.speedup`), and costs `cost[entry]` steps of plain decoding at this batch: whole rounds of the compiled
+2023, `specjax.measure.speedup`), and costs `cost[entry]` steps of plain decoding at this batch: whole rounds of the compiled
 loop, measured on this machine (`menu_costs`). A batch is done when its slowest row is, so the round takes the entry
 that ends the batch soonest, looking one round ahead: its cost, plus the most steps a row would still need after
 it, (R_b - E_b)+ x pace_b. R_b is the tokens row b may still generate; pace_b its steps per emitted token so far
@@ -60,14 +60,14 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.defaults import ADAPTIVE_MENU, ADAPTIVE_PRIOR, PACE_MEMORY, PRIOR_WEIGHT, ROW_MEMORY, ROW_PRIOR_WEIGHT
 from specjax.drafters.base import Drafter
+from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.io.gguf import cache_dir
+from specjax.measure.speedup import expected_tokens_per_round
 from specjax.models.llama import Weights
-from specjax.speedup import expected_tokens_per_round
-from specjax.tree import TreeSpec
 
 if TYPE_CHECKING:
-    from specjax.speculative import SpecStats
+    from specjax.decoding.speculative import SpecStats
 
 _MAX_RATE = 0.999  # the geometric model's sum diverges at r = 1
 
@@ -264,10 +264,10 @@ def menu_costs(
     reps: int = 9,
 ) -> list[float]:
     """The cost of a round of each menu entry in steps of plain decoding: whole rounds of the compiled loop, each
-    entry forced in turn, against the steps of the plain decoding loop (`specjax.calibrate.loop_seconds`), measured
+    entry forced in turn, against the steps of the plain decoding loop (`specjax.measure.timing.loop_seconds`), measured
     once per machine, model shapes, drafter, batch, context and greedy-or-sampled, then read from
     `$SPECJAX_CACHE/calibration` (which keeps the measurement), and fitted `non_decreasing`."""
-    from specjax.calibrate import loop_seconds
+    from specjax.measure.timing import loop_seconds
 
     signature = {
         "method": "loop rounds",

@@ -1,6 +1,6 @@
 """Defaults and limits of speculative decoding, named once: the library, the CLIs and the trainer import them.
 
-Tree shapes are written as the command line takes them, "depth,topk,budget" (`specjax.tree.TreeSpec.parse`).
+Tree shapes are written as the command line takes them, "depth,topk,budget" (`specjax.drafters.tree.TreeSpec.parse`).
 """
 
 DEFAULT_DRAFT_TOKENS = 5  # K, drafts per round, of specjax-generate and specjax-bench when none is given

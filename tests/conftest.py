@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from decode.cli import prefer_onednn_dots
+from specjax.cli.common import prefer_onednn_dots
 
 # Tests run on the CPU, in float32, with the XLA setting the decoding tools use (docs/cpu.md).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -12,7 +12,7 @@ prefer_onednn_dots()
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct, converted once into the user cache and loaded from there."""
-    from specjax.io.models import load_model
+    from specjax.io.loading import load_model
 
     return load_model("smollm2-135m")
 
@@ -25,7 +25,7 @@ def hf_smollm2():
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from specjax.io.models import embedded_gguf
+    from specjax.io.loading import embedded_gguf
 
     path = embedded_gguf("smollm2-135m")
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)

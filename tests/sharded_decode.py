@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.generate import generate
-from specjax.kv_cache import KVCache
+from specjax.decoding.autoregressive import generate
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
 from specjax.sharding import make_mesh, shard_weights
 

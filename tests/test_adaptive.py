@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import specjax.adaptive as adaptive_mod
-import specjax.speculative as spec
+import specjax.decoding.speculative as spec
 from specjax.adaptive import (
     Adaptive,
     calibrated,
@@ -27,11 +27,11 @@ from specjax.adaptive import (
     useful_entries,
 )
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.autoregressive import generate as ar_generate
+from specjax.decoding.autoregressive import prepare_batch
 from specjax.drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from specjax.errors import InputError
-from specjax.generate import generate as ar_generate
-from specjax.generate import prepare_batch
-from specjax.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
 from specjax.sampling import Sampling, probabilities
 
@@ -315,7 +315,7 @@ def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch):
     measured = json.loads(record.read_text())
     assert measured["menu"] == [0, 1, 2, 3, 5] and all(c > 0 for c in measured["cost"])  # in plain steps
     assert first.menu and set(first.menu) <= set(measured["menu"])  # the entries that win at some rate
-    import specjax.calibrate as calibrate
+    import specjax.measure.timing as calibrate
 
     def measured_again(*a, **k):
         raise RuntimeError("measured again")

@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from decode import bench
 from specjax import adaptive, bandwidth
+from specjax.cli import bench
 
 
 def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):

@@ -2,13 +2,13 @@ import jax
 import pytest
 from flax import nnx
 
-from specjax.calibrate import ForwardCosts, drafter_seconds, forward_costs, forward_timers, round_breakdown
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.drafters import Eagle3Drafter, LayerSkipDrafter, LookupFirstDrafter, NgramDrafter
+from specjax.drafters.tree import TreeSpec
+from specjax.measure.speedup import expected_tokens_per_round
+from specjax.measure.timing import ForwardCosts, drafter_seconds, forward_costs, forward_timers, round_breakdown
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.llama import init_weights
-from specjax.speedup import expected_tokens_per_round
-from specjax.tree import TreeSpec
 
 
 def test_round_breakdown_splits_time_and_predicts_from_the_model():

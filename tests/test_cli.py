@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from decode.generate import entry
+from specjax.cli.generate import entry
 from specjax.config import ModelConfig
 from specjax.io.hf import save_hf
-from specjax.io.models import embedded_gguf
+from specjax.io.loading import embedded_gguf
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.llama import init_weights
 
@@ -200,7 +200,7 @@ def test_drafting_is_adaptive_by_default(tiny_folder, tmp_path, monkeypatch, cap
 
 
 def test_the_clis_add_onednn_dots_unless_xla_flags_set_that_option(monkeypatch):
-    from decode import cli
+    from specjax.cli import common as cli
 
     monkeypatch.setattr(cli.platform, "machine", lambda: "x86_64")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")

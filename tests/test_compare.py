@@ -1,4 +1,4 @@
-"""decode.compare on two real specjax-bench reports: one table row per run and mode, a chart, one-line errors."""
+"""specjax.cli.compare on two real specjax-bench reports: one table row per run and mode, a chart, one-line errors."""
 
 import json
 import shutil
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from decode import compare
+from specjax.cli import compare
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "bench"
 

@@ -9,11 +9,11 @@ import pytest
 
 from specjax.errors import InputError
 from specjax.evalsets import chat_records, humaneval_prompts
-from specjax.io.models import tiny_random_model
-from train import data as data_module
-from train.config import load_config
-from train.conversations import _messages, read_conversations
-from train.filters import NearDuplicates, degeneracy_issue, language_issue
+from specjax.io.loading import tiny_random_model
+from specjax.train import data as data_module
+from specjax.train.config import load_config
+from specjax.train.conversations import _messages, read_conversations
+from specjax.train.filters import NearDuplicates, degeneracy_issue, language_issue
 
 SHAREGPT = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi there"},
                               {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Name a colour."},
@@ -194,7 +194,7 @@ def test_config_rejects_out_of_range_data_engine_values():
 
 
 def test_synthesize_keeps_filtered_prompts_and_rereads_its_store(smollm2, tmp_path, monkeypatch):
-    from train import synthesize as synth
+    from specjax.train import synthesize as synth
 
     cfg = load_config(None, ["synthesize.num_prompts=3", "synthesize.batch_size=8", "synthesize.max_tokens=40"])
     synth.synthesize(smollm2, cfg.synthesize, tmp_path / "store", tmp_path / "prompts", evaluation=[])
@@ -231,7 +231,7 @@ def test_unit_keys_change_with_every_setting_that_shapes_a_shard():
 
 @pytest.mark.parametrize("fraction, rows, steps", [(1.0, 50, 32), (0.5, 25, 16)])  # steps = ceil(2.5 x rows / 4)
 def test_epochs_set_the_steps_from_the_packed_rows(monkeypatch, tiny, tmp_path, fraction, rows, steps):
-    from train import run
+    from specjax.train import run
 
     seen = {}
     packed = {key: np.ones((50, 8), np.int32) for key in ("tokens", "loss_mask", "positions", "segments")}

@@ -11,16 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specjax.speculative as spec
-from decode import cli
+import specjax.decoding.speculative as spec
+from specjax.cli import common as cli
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.autoregressive import generate as ar_generate
+from specjax.decoding.autoregressive import pack_prompts
 from specjax.drafters import DFlashDrafter, drafter_from_spec
 from specjax.errors import CheckpointError, InputError
-from specjax.generate import generate as ar_generate
-from specjax.generate import pack_prompts
 from specjax.io.dflash_checkpoint import load_dflash, save_dflash
-from specjax.kv_cache import KVCache
 from specjax.models.dflash import DFlashConfig, context_kv, default_target_layer_ids, init_dflash
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
 from specjax.sampling import Sampling, probabilities
 

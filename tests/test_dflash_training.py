@@ -18,8 +18,8 @@ sys.path.insert(0, str(ROOT))
 from test_dflash import CFG, TARGET, random_draft  # noqa: E402
 
 from specjax.io.dflash_checkpoint import save_dflash  # noqa: E402
-from train.config import DFlashSection  # noqa: E402
-from train.dflash_loss import block_loss, pick_anchors  # noqa: E402
+from specjax.train.config import DFlashSection  # noqa: E402
+from specjax.train.dflash_loss import block_loss, pick_anchors  # noqa: E402
 
 T = 12
 GAMMA = DFlashSection(block_size=CFG.block_size).loss_decay
@@ -137,7 +137,7 @@ def test_anchors_are_distinct_valid_positions_and_short_rows_flag_the_rest():
 
 
 def test_dflash_settings_are_checked_before_anything_runs(tmp_path, capsys):
-    from train.cli import entry
+    from specjax.cli.train import entry
 
     base = ["--config", str(ROOT / "configs" / "smoke.yaml"), f"output_dir={tmp_path / 'run'}", "model.drafter=dflash"]
     for extra, message in [

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decode.generate import entry
+from specjax.cli.generate import entry
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.autoregressive import generate as ar_generate
+from specjax.decoding.autoregressive import pack_prompts
 from specjax.drafters import (
     Drafter,
     LayerSkipDrafter,
@@ -22,14 +24,12 @@ from specjax.drafters import (
     ngram_lookup,
     ngram_proposal,
 )
+from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
-from specjax.generate import generate as ar_generate
-from specjax.generate import pack_prompts
 from specjax.io.hf import save_hf
-from specjax.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
 from specjax.sampling import Sampling, probabilities
-from specjax.tree import TreeSpec
 
 CFG = ModelConfig("llama", 64, 32, 64, 3, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
 WEIGHTS = init_weights(CFG, jax.random.key(0), scale=0.3)

@@ -13,19 +13,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import specjax.speculative as spec
+import specjax.decoding.speculative as spec
 from specjax import acceptance
 from specjax import tree as tree_mod
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.autoregressive import generate as ar_generate
+from specjax.decoding.autoregressive import pack_prompts
 from specjax.drafters import Eagle3Drafter, LookupFirstDrafter, drafter_from_spec, with_lookup_tokens
+from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
-from specjax.generate import generate as ar_generate
-from specjax.generate import pack_prompts
-from specjax.kv_cache import KVCache
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
 from specjax.sampling import Sampling, probabilities
-from specjax.tree import TreeSpec
 
 CFG = ModelConfig("llama", 64, 32, 64, 4, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
 WEIGHTS = init_weights(CFG, jax.random.key(0), scale=0.3)
@@ -387,7 +387,7 @@ def cli_target(tmp_path_factory, smollm2):
 
 
 def run_cli(capsys, *argv):
-    from decode.generate import entry
+    from specjax.cli.generate import entry
 
     with pytest.raises(SystemExit) as exit_info:
         entry(list(argv))
@@ -403,7 +403,7 @@ def run_cli(capsys, *argv):
     ],
 )
 def test_cli_eagle3_greedy_equals_plain_decoding(cli_target, tmp_path, prefix, extra):
-    from decode.generate import entry
+    from specjax.cli.generate import entry
 
     common = ["--model", str(cli_target / "target"), "--prompt", "Hi", "--max-new-tokens", "8"]
     entry([*common, "--json", str(tmp_path / "ar.json")])

@@ -15,14 +15,14 @@ import pytest
 from jax import export
 from test_plan import random_head
 
-import specjax.speculative as spec
+import specjax.decoding.speculative as spec
 from specjax.adaptive import Adaptive
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.autoregressive import decode
 from specjax.drafters import Eagle3Drafter, NgramDrafter
-from specjax.generate import decode
+from specjax.drafters.tree import TreeSpec
 from specjax.models.llama import init_weights
 from specjax.sampling import Sampling
-from specjax.tree import TreeSpec
 
 PLATFORMS = ("cuda", "tpu")
 # Custom calls that every platform's compiler expands itself (sharding annotations). Any other target names a

@@ -13,10 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_tiny  # noqa: E402
 
 from specjax.errors import InputError  # noqa: E402
-from specjax.kv_cache import KVCache  # noqa: E402
+from specjax.models.kv_cache import KVCache  # noqa: E402
 from specjax.models.llama import forward  # noqa: E402
-from train.batches import BatchSource, nested_subset, pack  # noqa: E402
-from train.features import compute_features, feature_layers, load_features  # noqa: E402
+from specjax.train.batches import BatchSource, nested_subset, pack  # noqa: E402
+from specjax.train.features import compute_features, feature_layers, load_features  # noqa: E402
 
 
 def test_pack_places_every_sample_once_with_its_own_positions():

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from specjax import generate as gen
-from specjax import speculative
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding import speculative
 from specjax.drafters import NgramDrafter
 from specjax.errors import InputError
-from specjax.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
 
 CFG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))

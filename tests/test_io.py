@@ -16,13 +16,13 @@ import safetensors.torch
 import torch
 
 import specjax.io.gguf as sj_gguf
-import specjax.io.models as sj_models
+import specjax.io.loading as sj_models
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, SpecjaxError, UnsupportedModelError
 from specjax.io.gguf import converted_folder, load_gguf, read_gguf
 from specjax.io.hf import load_hf, save_hf
-from specjax.io.models import embedded_gguf, load_model
-from specjax.kv_cache import KVCache
+from specjax.io.loading import embedded_gguf, load_model
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights, weights_to_hf
 
 SMOLLM2 = embedded_gguf("smollm2-135m")

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from specjax.config import ModelConfig
-from specjax.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, weights_from_hf, weights_to_hf
 
 TINY = dict(

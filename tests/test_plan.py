@@ -6,19 +6,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specjax.generate as ar_loop
-import specjax.speculative as spec
-from decode import bench, cli
-from decode import generate as generate_cli
+import specjax.decoding.autoregressive as ar_loop
+import specjax.decoding.speculative as spec
 from specjax import plan
+from specjax.cli import bench
+from specjax.cli import common as cli
+from specjax.cli import generate as generate_cli
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.autoregressive import decode
 from specjax.drafters import Eagle3Drafter
+from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
-from specjax.generate import decode
 from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
 from specjax.models.llama import init_weights
 from specjax.sampling import Sampling
-from specjax.tree import TreeSpec
 
 
 def random_head(cfg: ModelConfig) -> Eagle3Head:

@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from train.prompts import builtin_prompts, humaneval_entry_points, stdlib_source_answers, stub_names
+from specjax.train.prompts import builtin_prompts, humaneval_entry_points, stdlib_source_answers, stub_names
 
 
 def _defined(text: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""train.scaling's plumbing: the whole data set first (it stores the features), then each fraction on the same
+"""specjax.cli.scaling's plumbing: the whole data set first (it stores the features), then each fraction on the same
 features in its own output folder, one curve point per run in order of size, and one-line errors."""
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from train import scaling
+from specjax.train import scaling
 
 SMOKE = Path(__file__).resolve().parent.parent / "configs" / "smoke.yaml"
 

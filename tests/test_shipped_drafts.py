@@ -3,9 +3,9 @@ does, and are trained: their drafts are accepted (a random draft's almost never 
 
 import pytest
 
-from specjax import speculative
+from specjax.decoding import speculative
+from specjax.decoding.autoregressive import generate
 from specjax.drafters import drafter_from_spec
-from specjax.generate import generate
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from specjax.generate import generate
-from specjax.kv_cache import KVCache
+from specjax.decoding.autoregressive import generate
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward
 
 PROMPTS = [

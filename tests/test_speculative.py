@@ -8,17 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specjax.speculative as spec
+import specjax.decoding.speculative as spec
 from specjax import acceptance
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.autoregressive import generate as ar_generate
+from specjax.decoding.autoregressive import pack_prompts
 from specjax.drafters import BaseDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
+from specjax.drafters.tree import DraftTree
 from specjax.errors import InputError
-from specjax.generate import generate as ar_generate
-from specjax.generate import pack_prompts
-from specjax.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
 from specjax.sampling import Sampling, probabilities
-from specjax.tree import DraftTree
 
 CFG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=128, eos_token_ids=(1,))
 WEIGHTS = init_weights(CFG, jax.random.key(0), scale=0.3)

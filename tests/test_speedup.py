@@ -5,7 +5,7 @@ import math
 import pytest
 
 from specjax.errors import InputError
-from specjax.speedup import (
+from specjax.measure.speedup import (
     acceptance_rate_from_mean,
     expected_speedup,
     expected_tokens_per_round,

@@ -8,7 +8,7 @@ from tokenizers import pre_tokenizers
 
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
 from specjax.io.gguf import read_gguf_metadata
-from specjax.io.models import embedded_gguf
+from specjax.io.loading import embedded_gguf
 from specjax.io.tokenizer import Tokenizer
 
 SMOLLM2 = embedded_gguf("smollm2-135m")

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from specjax.errors import InputError
-from train.config import TrainConfig, _build, config_to_dict, load_config
+from specjax.train.config import TrainConfig, _build, config_to_dict, load_config
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 

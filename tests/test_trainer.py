@@ -22,11 +22,11 @@ sys.path.insert(0, str(HERE))
 
 import train_tiny  # noqa: E402
 
+from specjax.cli.train import entry  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
-from train.cli import entry  # noqa: E402
-from train.data import load_samples  # noqa: E402
-from train.trainer import TrainingDiverged, checkpoint_manager, restore_latest, train  # noqa: E402
-from train.vocab import draft_vocab  # noqa: E402
+from specjax.train.data import load_samples  # noqa: E402
+from specjax.train.trainer import TrainingDiverged, checkpoint_manager, restore_latest, train  # noqa: E402
+from specjax.train.vocab import draft_vocab  # noqa: E402
 
 SMOKE = ROOT / "configs" / "smoke.yaml"
 
@@ -217,8 +217,8 @@ def test_a_diverged_run_resumes_from_its_last_good_checkpoint_with_a_lower_learn
 
 
 def test_a_resumed_run_may_change_optimiser_settings_but_not_the_model_or_data(tmp_path, capsys):
-    from train.config import load_config
-    from train.run import check_record, record_config
+    from specjax.train.config import load_config
+    from specjax.train.run import check_record, record_config
 
     first = load_config(SMOKE, [f"output_dir={tmp_path}"])
     record_config(first)
@@ -247,8 +247,8 @@ def smoke_run(tmp_path_factory):
 
 def test_smoke_pipeline_exports_a_loadable_head(smoke_run):
     from specjax.io.eagle3_checkpoint import load_eagle3
-    from specjax.io.models import load_model
-    from specjax.kv_cache import KVCache
+    from specjax.io.loading import load_model
+    from specjax.models.kv_cache import KVCache
     from specjax.models.llama import forward
 
     out = smoke_run
@@ -289,10 +289,10 @@ def test_smoke_pipeline_exports_a_loadable_head(smoke_run):
     assert bool(jnp.isfinite(out_prenorm).all())
 
     # The exported head drafts for real: greedy EAGLE-3 decoding (chain and tree) equals autoregressive decoding.
-    from specjax import speculative
+    from specjax.decoding import speculative
+    from specjax.decoding.autoregressive import generate
     from specjax.drafters import load_eagle3_drafter
-    from specjax.generate import generate
-    from specjax.tree import TreeSpec
+    from specjax.drafters.tree import TreeSpec
 
     prompts = [target.tokenizer.chat_prompt_ids(p) for p in ("Hello!", "Write a function that adds two numbers.")]
     expected = [c.output_ids for c in generate(target.weights, target.cfg, prompts, max_new_tokens=16).completions]
@@ -322,10 +322,10 @@ def dflash_run(smoke_run, tmp_path_factory):
 
 
 def test_dflash_pipeline_trains_and_exports_a_draft_that_decodes_exactly(dflash_run):
-    from specjax import speculative
+    from specjax.decoding import speculative
+    from specjax.decoding.autoregressive import generate
     from specjax.drafters import drafter_from_spec
-    from specjax.generate import generate
-    from specjax.io.models import load_model
+    from specjax.io.loading import load_model
 
     out = dflash_run
     assert not (out / "features").exists()  # read from the smoke run's
@@ -357,9 +357,9 @@ def _snapshot(folder: Path) -> dict:
 
 def test_init_from_starts_at_an_exported_head_and_its_vocabulary(smoke_run, tmp_path):
     from specjax.io.eagle3_checkpoint import load_eagle3
-    from specjax.io.models import load_model
-    from train.config import load_config
-    from train.run import build_trainer
+    from specjax.io.loading import load_model
+    from specjax.train.config import load_config
+    from specjax.train.run import build_trainer
 
     cfg = load_config(SMOKE, [f"output_dir={tmp_path}", f"training.init_from={smoke_run / 'export'}"])
     model = load_model(cfg.model.target)
@@ -373,9 +373,9 @@ def test_init_from_starts_at_an_exported_head_and_its_vocabulary(smoke_run, tmp_
 
 def test_a_dflash_run_can_start_at_an_exported_draft_of_its_shape(dflash_run, tmp_path):
     from specjax.io.dflash_checkpoint import load_dflash
-    from specjax.io.models import load_model
-    from train.config import load_config
-    from train.run import build_trainer, validate
+    from specjax.io.loading import load_model
+    from specjax.train.config import load_config
+    from specjax.train.run import build_trainer, validate
 
     shape = ["model.drafter=dflash", "model.tap_layers=[2, 2, 1]", "dflash.mask_token_id=5",
              f"training.init_from={dflash_run / 'export'}"]  # fmt: skip
@@ -394,9 +394,9 @@ def test_a_dflash_run_can_start_at_an_exported_draft_of_its_shape(dflash_run, tm
 
 def test_init_from_takes_a_shipped_head_by_name():
     from specjax.drafters.base import SHIPPED_DRAFTS
-    from specjax.io.models import load_model
-    from train.config import load_config
-    from train.run import initial_draft
+    from specjax.io.loading import load_model
+    from specjax.train.config import load_config
+    from specjax.train.run import initial_draft
 
     cfg = load_config(ROOT / "configs" / "smollm2-eagle3.yaml", ["training.init_from=smollm2-135m"])
     model = load_model(cfg.model.target)
@@ -431,9 +431,9 @@ def test_evaluate_before_any_step_measures_the_starting_head_of_an_init_from_run
 
 def test_a_continued_head_card_carries_the_starting_heads_data_and_training(smoke_run, tmp_path):
     from specjax.io.eagle3_checkpoint import load_eagle3
-    from specjax.io.models import load_model
-    from train.config import load_config
-    from train.model_card import model_card
+    from specjax.io.loading import load_model
+    from specjax.train.config import load_config
+    from specjax.train.model_card import model_card
 
     start = (smoke_run / "export" / "README.md").read_text()
     cfg = load_config(SMOKE, [f"output_dir={tmp_path}", f"training.init_from={smoke_run / 'export'}"])
@@ -452,7 +452,7 @@ def test_a_continued_head_card_carries_the_starting_heads_data_and_training(smok
 
 
 def test_a_second_run_on_the_same_output_dir_is_refused(smoke_run, capsys):
-    from train.run import exclusive_output_dir
+    from specjax.train.run import exclusive_output_dir
 
     with exclusive_output_dir(smoke_run):  # another run holds the folder
         with pytest.raises(SystemExit) as exit_info:

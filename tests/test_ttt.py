@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
-from train.ttt import dense_ttt_attention, ttt_attention, ttt_loss
+from specjax.train.ttt import dense_ttt_attention, ttt_attention, ttt_loss
 
 V, D, VD = 64, 32, 24
 

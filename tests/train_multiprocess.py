@@ -28,7 +28,7 @@ def main(port: int, num_processes: int, process_id: int, run_dir: str) -> None:
         )  # fmt: skip
     import train_tiny
 
-    from train.trainer import train
+    from specjax.train.trainer import train
 
     assert jax.process_count() == num_processes and len(jax.local_devices()) == 1, jax.local_devices()
     assert len(jax.devices()) == num_processes

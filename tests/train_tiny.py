@@ -60,7 +60,7 @@ def samples(n: int = 24, seed: int = 0):
 
 
 def config(overrides: Sequence[str] = ()):
-    from train.config import load_config
+    from specjax.train.config import load_config
 
     return load_config(None, [*BASE_OVERRIDES, *overrides])
 
@@ -72,10 +72,10 @@ def build(overrides: Sequence[str] = (), mesh_axes: dict | None = None, devices=
 
     from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
     from specjax.sharding import make_mesh
-    from train.batches import BatchSource, pack
-    from train.drafts import Eagle3Training
-    from train.trainer import Trainer
-    from train.vocab import draft_vocab
+    from specjax.train.batches import BatchSource, pack
+    from specjax.train.drafts import Eagle3Training
+    from specjax.train.trainer import Trainer
+    from specjax.train.vocab import draft_vocab
 
     cfg = config(overrides)
     target_cfg, weights = target()
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import time
 
-    from train.trainer import train
+    from specjax.train.trainer import train
 
     hang_after = [int(a.split("=", 1)[1]) for a in argv if a.startswith("--hang-after=")]
     argv = [a for a in argv if not a.startswith("--hang-after=")]

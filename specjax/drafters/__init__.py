@@ -26,9 +26,9 @@ from specjax.drafters.ngram import (
     ngram_proposal,
     with_lookup_tokens,
 )
+from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.models.llama import Weights
-from specjax.tree import TreeSpec
 
 __all__ = [
     "BaseDrafter",

@@ -9,7 +9,7 @@ The loop keeps every row's committed text in a token buffer `tokens_bs` (prompt,
 `length_b` committed tokens per row. The last committed token (`tokens_bs[b, length_b - 1]`) is "pending": the target
 has not run on it yet, and it is the root of the next round's draft.
 
-Every round drafts a tree (`specjax.tree.DraftTree`) of the static shape `draft_shape(K)`; a chain of K drafts is the
+Every round drafts a tree (`specjax.drafters.tree.DraftTree`) of the static shape `draft_shape(K)`; a chain of K drafts is the
 tree with one child per node (`TreeSpec.chain(K)`). Chain drafters implement `propose` alone: `BaseDrafter`'s
 `propose_tree` turns its K drafts into that tree.
 
@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
+from specjax.drafters.tree import DraftTree, TreeSpec
 from specjax.sampling import Sampling, in_target_vocab, probabilities
-from specjax.tree import DraftTree, TreeSpec
 
 # Drafts shipped inside the package, by kind and name: those specjax trained for the embedded SmolLM2.
 SHIPPED_DRAFTS = {

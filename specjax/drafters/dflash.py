@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig
 from specjax.drafters.base import BaseDrafter, draft_folder, draw
 from specjax.errors import InputError
-from specjax.kv_cache import KVCache
 from specjax.models.dflash import (
     DFlashConfig,
     DFlashWeights,
@@ -29,6 +28,7 @@ from specjax.models.dflash import (
     draft_logits,
     scored_head,
 )
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import head_rows
 
 

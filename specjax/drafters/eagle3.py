@@ -22,11 +22,11 @@ from flax import nnx
 
 from specjax.config import ModelConfig
 from specjax.drafters.base import BaseDrafter, draft_folder, draw
+from specjax.drafters.tree import DraftTree, TreeSpec, grow_tree
 from specjax.errors import InputError
-from specjax.kv_cache import KVCache
 from specjax.models.eagle3 import Eagle3Head
+from specjax.models.kv_cache import KVCache
 from specjax.sampling import Sampling
-from specjax.tree import DraftTree, TreeSpec, grow_tree
 
 
 def _static(default=dataclasses.MISSING):
@@ -168,7 +168,7 @@ class Eagle3Drafter(BaseDrafter):
         return tokens_bk, probs_bkv, dataclasses.replace(state, cache=cache)
 
     def propose_tree(self, state: Eagle3State, tokens_bs, length_b, key, *, shape: TreeSpec, vocab_size, sampling):
-        """Grows a draft tree (`specjax.tree`), or drafts a chain without one. Node t >= 1 writes its head KV at slot
+        """Grows a draft tree (`specjax.drafters.tree`), or drafts a chain without one. Node t >= 1 writes its head KV at slot
         c + t - 1 when expanded."""
         if self.tree is None:
             return super().propose_tree(

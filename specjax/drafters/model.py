@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig
 from specjax.drafters.base import BaseDrafter, draw
 from specjax.errors import InputError
-from specjax.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.sampling import Sampling
 

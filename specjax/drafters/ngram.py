@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig
 from specjax.defaults import DEFAULT_NGRAM
 from specjax.drafters.base import BaseDrafter, Drafter
+from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
-from specjax.tree import TreeSpec
 
 
 @jax.tree_util.register_dataclass

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, UnsupportedModelError
+from specjax.host import cache_dir
 from specjax.io.hf import load_hf, write_hf_tensors
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.llama import Weights, rope_inv_freq, weights_from_hf
@@ -79,13 +80,6 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """
     hd = w.shape[0] // n_heads
     return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def cache_dir() -> Path:
-    """The specjax cache: `$SPECJAX_CACHE`, else `$XDG_CACHE_HOME/specjax`, else `~/.cache/specjax`."""
-    if os.environ.get("SPECJAX_CACHE"):
-        return Path(os.environ["SPECJAX_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specjax"
 
 
 def converted_folder(path: str | os.PathLike) -> Path:

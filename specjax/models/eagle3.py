@@ -32,7 +32,7 @@ from flax import nnx
 
 from specjax.config import ModelConfig, RopeScaling, rope_scaling_from_hf
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
-from specjax.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import ArraySpec, apply_rope, attend, rms_norm, rope_inv_freq
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

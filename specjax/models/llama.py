@@ -17,7 +17,7 @@ import numpy as np
 
 from specjax.config import ModelConfig, RopeScaling
 from specjax.errors import CheckpointError
-from specjax.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache
 
 
 @jax.tree_util.register_dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import sys
@@ -14,8 +13,9 @@ from pathlib import Path
 from specjax.config import SamplingConfig
 from specjax.defaults import CALIBRATION_DRAFT_TOKENS
 from specjax.errors import InputError, SpecjaxError
+from specjax.io.jsonl import read_prompts_file
 from specjax.io.tokenizer import Tokenizer
-from specjax.plan import MemoryPlan, check_fits, device_memory, memory_plan
+from specjax.measure.memory import MemoryPlan, check_fits, device_memory, memory_plan
 
 RawDescription = argparse.RawDescriptionHelpFormatter
 
@@ -72,37 +72,6 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
     return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-
-
-def read_jsonl(path: Path) -> list[tuple[int, object]]:
-    """(line number, parsed object) for every non-blank line; one clear InputError for an unreadable file, text that
-    is not UTF-8, or a line that is not JSON."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise InputError(f"cannot read prompts file {str(path)!r}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path} is not UTF-8 text (byte {e.start})") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                records.append((number, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-    if not records:
-        raise InputError(f"{path} holds no prompts")
-    return records
-
-
-def read_prompts_file(path: Path) -> list[str]:
-    """Prompts from a JSONL file: one object per line with a "prompt" string; other fields are ignored."""
-    prompts = []
-    for number, record in read_jsonl(path):
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise InputError(f'{path}:{number}: expected an object with a "prompt" string')
-        prompts.append(record["prompt"])
-    return prompts
 
 
 def gather_prompts(args: argparse.Namespace, default: Sequence[str] = ()) -> list[str]:
@@ -185,7 +154,7 @@ def draft_tokens(value: str) -> int | str:
 def fixed_drafting(model, drafter, num_draft_tokens: int | str, lookup_tokens: int | None):
     """(drafter, the K its rounds verify), checked, for a fixed --num-draft-tokens; (drafter, 'auto') for adaptive
     drafting, which --lookup-tokens cannot join (`adaptive_drafting` then calibrates it)."""
-    from specjax import speculative
+    from specjax.decoding import speculative
     from specjax.drafters import with_lookup_tokens
 
     if drafter is not None and num_draft_tokens == "auto":
@@ -205,8 +174,8 @@ def auto_max_drafts(drafter) -> int:
 
 def adaptive_drafting(model, drafter, sampling, batch: int, context: int):
     """`--num-draft-tokens auto`: the calibrated menu of `specjax.adaptive`, checked and reported on stderr."""
-    from specjax import speculative
     from specjax.adaptive import calibrated
+    from specjax.decoding import speculative
 
     adaptive = calibrated(
         model.weights, model.cfg, drafter, auto_max_drafts(drafter), batch=batch, context=context, sampling=sampling
@@ -218,7 +187,7 @@ def adaptive_drafting(model, drafter, sampling, batch: int, context: int):
 
 
 def memory_plan_at(model, drafter, num_draft_tokens: int | str, prompt_len: int, max_new_tokens: int):
-    """The run's memory plan (`specjax.plan`) as a function of its rows; `num_draft_tokens` 'auto' plans for the
+    """The run's memory plan (`specjax.measure.memory`) as a function of its rows; `num_draft_tokens` 'auto' plans for the
     largest draft adaptive drafting compiles."""
     shape = None
     if drafter is not None:

@@ -19,9 +19,9 @@ from specjax.config import ModelConfig
 from specjax.models.dflash import DFlashConfig, DFlashWeights, weight_specs_of
 from specjax.models.eagle3 import Eagle3Head, param_specs
 from specjax.models.llama import Weights, head_rows, lm_logits
-from train.config import DFlashSection, TrainingSection
-from train.dflash_loss import block_loss, pick_anchors
-from train.ttt import ttt_loss
+from specjax.train.config import DFlashSection, TrainingSection
+from specjax.train.dflash_loss import block_loss, pick_anchors
+from specjax.train.ttt import ttt_loss
 
 
 class Eagle3Training:

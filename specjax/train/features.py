@@ -23,9 +23,9 @@ from tqdm import tqdm
 
 from specjax.config import ModelConfig
 from specjax.errors import InputError
-from specjax.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
-from train.batches import ROW_KEYS, sample_causal_mask
+from specjax.train.batches import ROW_KEYS, sample_causal_mask
 
 CHUNK_ROWS = 64
 FORWARD_ROWS = 8  # rows per target forward

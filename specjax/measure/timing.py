@@ -6,7 +6,7 @@ token counts); `drafter_seconds` times the drafter alone (its commit of a round'
 of the plain decoding loop (the costs adaptive drafting decides with).
 Calls whose times are compared take turns (`interleaved_medians`), so a shared machine's slow spells cancel out;
 `round_breakdown` turns a speculative run's wall time and statistics into the draft cost ratio c and the speedup the
-model of `specjax.speedup` predicts from them, to set beside the measured speedup.
+model of `specjax.measure.speedup` predicts from them, to set beside the measured speedup.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import jax.numpy as jnp
 
 from specjax.adaptive import Adaptive
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.autoregressive import _compiled, decode, prefill, prompt_bucket
+from specjax.decoding.speculative import speculative_decode
 from specjax.drafters.base import Drafter
-from specjax.generate import _compiled, decode, prefill, prompt_bucket
-from specjax.kv_cache import KVCache
+from specjax.drafters.tree import TreeSpec
+from specjax.measure.speedup import acceptance_rate_from_mean, expected_tokens_per_round
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward_new_kv
 from specjax.sampling import Sampling
-from specjax.speculative import speculative_decode
-from specjax.speedup import acceptance_rate_from_mean, expected_tokens_per_round
-from specjax.tree import TreeSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,12 +20,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specjax.config import SamplingConfig
+from specjax.decoding.autoregressive import generate
 from specjax.errors import InputError
-from specjax.generate import generate
-from specjax.io.models import LoadedModel
-from train.config import SynthesizeSection
-from train.filters import NearDuplicates, degeneracy_issue, language_issue
-from train.store import Store, content_key, target_fingerprint
+from specjax.io.loading import LoadedModel
+from specjax.train.config import SynthesizeSection
+from specjax.train.filters import NearDuplicates, degeneracy_issue, language_issue
+from specjax.train.store import Store, content_key, target_fingerprint
 
 # Domain -> topics. A row's system hint names its domain's description and one topic.
 DOMAINS: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from train.config import TrainConfig, config_to_dict
+from specjax.train.config import TrainConfig, config_to_dict
 
 
 def _last_metrics(path: Path, lines: int = 5) -> list[dict]:

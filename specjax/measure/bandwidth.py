@@ -7,16 +7,11 @@ any other device (a CPU) is measured once with a large array copy and cached und
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-
 import jax
 import jax.numpy as jnp
 
-from specjax.adaptive import machine
-from specjax.calibrate import median_seconds
-from specjax.io.gguf import cache_dir
+from specjax.host import cached_measurement
+from specjax.measure.timing import median_seconds
 
 # `device_kind` (lowercase) -> peak memory bandwidth in bytes/s, from the vendors' data sheets.
 KNOWN_BANDWIDTH = {
@@ -44,16 +39,7 @@ def device_bandwidth() -> tuple[float, str]:
     known = KNOWN_BANDWIDTH.get(jax.devices()[0].device_kind.lower())
     if known:
         return known, "data sheet"
-    key = hashlib.sha256(f"{machine()} {COPY_METHOD}".encode()).hexdigest()[:20]
-    path = cache_dir() / "bandwidth" / f"{key}.json"
-    if path.is_file():
-        return json.loads(path.read_text())["bytes_per_s"], "measured"
-    measured = copy_bandwidth()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"machine": machine(), "bytes_per_s": measured}, indent=1))
-    os.replace(tmp, path)
-    return measured, "measured"
+    return cached_measurement("bandwidth", {"method": COPY_METHOD}, copy_bandwidth), "measured"
 
 
 def copy_bandwidth(nbytes: int = COPY_BYTES, reps: int = 5) -> float:

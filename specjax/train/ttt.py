@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models.eagle3 import Eagle3Head
-from train.batches import sample_causal_mask
+from specjax.train.batches import sample_causal_mask
 
 
 def shift_left(x: jax.Array, n: int) -> jax.Array:

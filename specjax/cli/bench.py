@@ -19,11 +19,20 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from decode import cli
-from specjax import speculative
 from specjax.adaptive import Adaptive, machine
-from specjax.bandwidth import device_bandwidth
-from specjax.calibrate import (
+from specjax.cli import common as cli
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding import speculative
+from specjax.decoding.autoregressive import generate, prompt_bucket
+from specjax.defaults import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM, DEFAULT_TREE
+from specjax.drafters import Drafter, LayerSkipDrafter, drafter_from_spec
+from specjax.drafters.tree import TreeSpec
+from specjax.errors import InputError
+from specjax.evalsets import chat_prompts, humaneval_prompts
+from specjax.io.loading import LoadedModel, load_model
+from specjax.measure.bandwidth import device_bandwidth
+from specjax.measure.memory import weight_bytes
+from specjax.measure.timing import (
     ForwardCosts,
     drafter_timer,
     forward_seconds,
@@ -32,15 +41,6 @@ from specjax.calibrate import (
     prefill_timer,
     round_breakdown,
 )
-from specjax.config import ModelConfig, SamplingConfig
-from specjax.defaults import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM, DEFAULT_TREE
-from specjax.drafters import Drafter, LayerSkipDrafter, drafter_from_spec
-from specjax.errors import InputError
-from specjax.evalsets import chat_prompts, humaneval_prompts
-from specjax.generate import generate, prompt_bucket
-from specjax.io.models import LoadedModel, load_model
-from specjax.plan import weight_bytes
-from specjax.tree import TreeSpec
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ class ModeRun:
     histogram: list[int] | None = None  # speculative modes: row-rounds that accepted 0..K drafts, summed
     rounds: int = 0
     rounds_by_drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # speculative modes
-    breakdown: dict | None = None  # speculative modes with a fixed K: where a round's time goes (specjax.calibrate)
+    breakdown: dict | None = None  # speculative modes with a fixed K: where a round's time goes (specjax.measure.timing)
     forwards: int = 0  # target forwards, each reading every weight once: the prefill, then a step or a round
     repeats: int = 1  # times every batch was timed; the statistics and outputs are those of one pass
     learned: dict | None = None  # adaptive modes: the prior per kind of round and the loop's gain, after the run

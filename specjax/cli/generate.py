@@ -6,13 +6,13 @@ import json
 import sys
 from collections.abc import Sequence
 
-from decode import cli
-from specjax import speculative
 from specjax.adaptive import Adaptive
+from specjax.cli import common as cli
+from specjax.decoding import speculative
+from specjax.decoding.autoregressive import generate
 from specjax.drafters import SPEC_HELP, drafter_from_spec
-from specjax.generate import generate
-from specjax.io.models import load_model
-from specjax.tree import TreeSpec
+from specjax.drafters.tree import TreeSpec
+from specjax.io.loading import load_model
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 

@@ -1,6 +1,6 @@
 """Acceptance: which drafts of a round the target keeps, and the one token it adds. One set of rules for every draft.
 
-A round's draft is a `specjax.tree.DraftTree` rooted at the pending token (a chain is the tree with one child per
+A round's draft is a `specjax.drafters.tree.DraftTree` rooted at the pending token (a chain is the tree with one child per
 node), and the target has run once over all its nodes: its row m is the target's prediction after node m, given the
 path from the root to m. Every rule returns (n, next, last): n accepted drafts, the token the target adds after them
 (the correction, or the bonus), and the last accepted node (the root when n = 0), at depth n; the path from the root
@@ -24,8 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.tree import DraftTree
 from specjax.sampling import Sampling, in_target_vocab, probabilities
-from specjax.tree import DraftTree
 
 
 def accept(

@@ -1,7 +1,7 @@
 """The data-scaling curve: one head per nested subset of a config's training rows, the same steps per token, and
 held-out mean accepted length against training tokens.
 
-  python -m train.scaling --config configs/smollm2-eagle3.yaml --fractions 0.125,0.25,0.5,1 --epochs 1.2 \\
+  python -m specjax.cli.scaling --config configs/smollm2-eagle3.yaml --fractions 0.125,0.25,0.5,1 --epochs 1.2 \\
       --out docs/bench/scaling [section.key=value ...]
 
 The whole data set runs first, in the config's OUTPUT_DIR (so the head the config trains is the curve's last point),
@@ -19,9 +19,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from decode import cli
-from train.config import load_config
-from train.run import run
+from specjax.cli import common as cli
+from specjax.train.config import load_config
+from specjax.train.run import run
 
 FULL_STAGES = ["synthesize", "regenerate", "vocab", "features", "train", "evaluate"]
 SUBSET_STAGES = ["synthesize", "regenerate", "vocab", "train", "evaluate"]
@@ -61,7 +61,7 @@ def plot(points: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = cli.ArgumentParser(prog="python -m train.scaling", description=__doc__, formatter_class=cli.RawDescription)
+    p = cli.ArgumentParser(prog="python -m specjax.cli.scaling", description=__doc__, formatter_class=cli.RawDescription)
     p.add_argument("--config", type=Path, required=True)
     p.add_argument("--fractions", type=fractions, required=True, help="fractions of the training rows, e.g. 0.25,1")
     p.add_argument("--epochs", type=float, required=True, help="epochs of every run (the same steps per token)")
@@ -91,4 +91,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main, "python -m train.scaling")
+    cli.run(main, "python -m specjax.cli.scaling")

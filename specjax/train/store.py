@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.io.models import LoadedModel
+from specjax.io.loading import LoadedModel
 
 
 def content_key(fields: dict[str, Any]) -> str:

@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from decode import cli
-from train.config import load_config
-from train.run import STAGES, run
+from specjax.cli import common as cli
+from specjax.train.config import load_config
+from specjax.train.run import STAGES, run
 
 
 def parser() -> cli.ArgumentParser:

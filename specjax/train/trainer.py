@@ -30,9 +30,9 @@ from tqdm import tqdm
 from specjax.errors import CheckpointError, SpecjaxError
 from specjax.models.llama import ArraySpec, Weights, weight_specs
 from specjax.sharding import DEFAULT_RULES, partition_spec
-from train.batches import ROW_KEYS, BatchSource
-from train.config import TrainConfig
-from train.features import feature_layers, target_features
+from specjax.train.batches import ROW_KEYS, BatchSource
+from specjax.train.config import TrainConfig
+from specjax.train.features import feature_layers, target_features
 
 # Training adds FSDP: weights' model dimension over "fsdp", batches over data x fsdp.
 TRAIN_RULES = (

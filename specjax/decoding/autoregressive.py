@@ -13,7 +13,7 @@ import numpy as np
 
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.errors import InputError
-from specjax.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.sampling import Sampling, sample
 

@@ -1,6 +1,6 @@
 """Several specjax-bench runs side by side: one table row per run and mode, one chart of the speedups.
 
-    python -m decode.compare OUT RUN_DIR [RUN_DIR ...]
+    python -m specjax.cli.compare OUT RUN_DIR [RUN_DIR ...]
 
 reads each RUN_DIR/bench.json and writes OUT.md and OUT.png. A run is named by its setting: prompt set, batch size
 and temperature (e.g. "humaneval b8 T1").
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from decode import cli
+from specjax.cli import common as cli
 from specjax.errors import InputError
 
 
@@ -89,7 +89,7 @@ def plot(runs: Sequence[tuple[str, list[dict]]], path: Path, title: str) -> None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = cli.ArgumentParser(prog="python -m decode.compare", description=__doc__)
+    p = cli.ArgumentParser(prog="python -m specjax.cli.compare", description=__doc__)
     p.add_argument("out", help="output path without suffix: OUT.md and OUT.png are written")
     p.add_argument("runs", nargs="+", help="folders written by specjax-bench --out-dir")
     p.add_argument("--title", default="speedup over autoregressive decoding measured in the same run")
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def entry(argv: Sequence[str] | None = None) -> None:
-    cli.run(main, "python -m decode.compare", argv)
+    cli.run(main, "python -m specjax.cli.compare", argv)
 
 
 if __name__ == "__main__":

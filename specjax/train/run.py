@@ -30,30 +30,30 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from decode.cli import read_prompts_file
-from specjax import speculative
+from specjax.decoding import speculative
 from specjax.defaults import EVAL_DRAFT_TOKENS, EVAL_TREE
 from specjax.drafters import DFlashDrafter, Eagle3Drafter
 from specjax.drafters.base import draft_folder
+from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError, SpecjaxError
 from specjax.evalsets import chat_prompts, humaneval_prompts
 from specjax.io.dflash_checkpoint import load_dflash, save_dflash
 from specjax.io.eagle3_checkpoint import load_eagle3, save_eagle3
-from specjax.io.models import LoadedModel, load_model
+from specjax.io.jsonl import read_prompts_file
+from specjax.io.loading import LoadedModel, load_model
 from specjax.models.dflash import DFlashConfig, init_dflash
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.sharding import make_mesh
-from specjax.tree import TreeSpec
-from train.batches import BatchSource, nested_subset, pack
-from train.config import TrainConfig, config_to_dict
-from train.conversations import read_conversations
-from train.data import load_prompts, load_samples, reference_responses, regenerate
-from train.drafts import DFlashTraining, Eagle3Training
-from train.features import compute_features, feature_layers, load_features
-from train.model_card import model_card
-from train.synthesize import synthesize
-from train.trainer import Trainer, checkpoint_manager, restore_latest, train
-from train.vocab import assistant_token_counts, coverage, load_vocab, save_vocab, vocab_from_counts
+from specjax.train.batches import BatchSource, nested_subset, pack
+from specjax.train.config import TrainConfig, config_to_dict
+from specjax.train.conversations import read_conversations
+from specjax.train.data import load_prompts, load_samples, reference_responses, regenerate
+from specjax.train.drafts import DFlashTraining, Eagle3Training
+from specjax.train.features import compute_features, feature_layers, load_features
+from specjax.train.model_card import model_card
+from specjax.train.synthesize import synthesize
+from specjax.train.trainer import Trainer, checkpoint_manager, restore_latest, train
+from specjax.train.vocab import assistant_token_counts, coverage, load_vocab, save_vocab, vocab_from_counts
 
 STAGES = ("synthesize", "regenerate", "vocab", "features", "train", "evaluate", "export")
 # Sections that define what a run has already produced: a resumed run must agree on them (training.steps may grow).

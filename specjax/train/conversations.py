@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decode.cli import read_jsonl
 from specjax.errors import InputError
-from train.prompts import builtin_prompts
+from specjax.io.jsonl import read_jsonl
+from specjax.train.prompts import builtin_prompts
 
 Conversation = list[dict[str, str]]
 

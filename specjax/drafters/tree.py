@@ -3,7 +3,7 @@
 Every round drafts a tree (`DraftTree`) of a static shape (`TreeSpec`). Node 0 is the root (the pending token,
 already committed); nodes are stored in creation order, so every parent precedes its children. A chain of K drafts is
 the tree with one child per node, `TreeSpec.chain(K)`: its nodes are the path itself, so it is verified under the
-causal mask and its accepted path already lies contiguous in the cache. `specjax.acceptance` decides what a round
+causal mask and its accepted path already lies contiguous in the cache. `specjax.decoding.acceptance` decides what a round
 keeps, the same way for both.
 
 Growth of a dynamic tree (EAGLE-2 style, `depth` - 1 expansion rounds after the root): the root's children are its
@@ -20,7 +20,7 @@ output is exactly the target's distribution at any temperature (tests/test_eagle
 enumeration).
 
 Verification runs one target forward over all nodes (positions = pending position + depth, attention = ancestors);
-the accepted path's keys and values are then written to contiguous slots (`specjax.speculative`).
+the accepted path's keys and values are then written to contiguous slots (`specjax.decoding.speculative`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Memory plan: the bytes a decoding run holds on its device, from shapes alone, before anything compiles.
 
-The loops of `specjax.generate` and `specjax.speculative` hold four things at their peak:
+The loops of `specjax.decoding.autoregressive` and `specjax.decoding.speculative` hold four things at their peak:
 - the target's weights;
 - the KV buffers: batch x slots x layers x KV heads x head dim x 2 (K and V), where slots = the padded prompt +
   max_new_tokens (+ the largest round's draft capacity in the speculative loop), as the loops size them;
@@ -25,12 +25,12 @@ import jax.numpy as jnp
 from jax.extend import core as jax_core
 
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.autoregressive import prompt_bucket
 from specjax.drafters.base import Drafter
+from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
-from specjax.generate import prompt_bucket
 from specjax.models.llama import ArraySpec, Weights, weight_specs
 from specjax.sampling import Sampling
-from specjax.tree import TreeSpec
 
 GIB = 2**30
 

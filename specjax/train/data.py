@@ -28,14 +28,14 @@ import numpy as np
 from tqdm import tqdm
 
 from specjax.config import SamplingConfig
+from specjax.decoding.autoregressive import generate
 from specjax.errors import InputError
-from specjax.generate import generate
-from specjax.io.models import LoadedModel
-from train.config import DataSection
-from train.conversations import Conversation, first_user_text, source_conversations
-from train.filters import NearDuplicates
-from train.prompts import humaneval_entry_points, stdlib_source_answers, stub_names
-from train.store import Store, content_key, target_fingerprint
+from specjax.io.loading import LoadedModel
+from specjax.train.config import DataSection
+from specjax.train.conversations import Conversation, first_user_text, source_conversations
+from specjax.train.filters import NearDuplicates
+from specjax.train.prompts import humaneval_entry_points, stdlib_source_answers, stub_names
+from specjax.train.store import Store, content_key, target_fingerprint
 
 UNIT = 256  # conversations per shard: the granularity of resuming and of nested subsets
 

@@ -7,9 +7,9 @@ Rows accept independently; a row stops at EOS or max_new_tokens while the others
 Bookkeeping per row: `tokens_bs` holds the prompt and the generated tokens; `length_b` of them are committed. The
 last committed token is "pending": the target has not seen it yet, so the target cache holds `length_b - 1` tokens.
 A round has one path for every drafter (`specjax.drafters.base` has the protocol): the drafter proposes a draft tree
-(`specjax.tree.DraftTree`) rooted at the pending token, of the static shape `drafter.draft_shape(K)`: a chain of K
+(`specjax.drafters.tree.DraftTree`) rooted at the pending token, of the static shape `drafter.draft_shape(K)`: a chain of K
 drafts, or a tree drafter's own tree. One target forward runs its nodes at positions length_b - 1 + depth under their
-ancestor mask; `specjax.acceptance` accepts n drafts along one path and adds one token from the target (the
+ancestor mask; `specjax.decoding.acceptance` accepts n drafts along one path and adds one token from the target (the
 correction, or the bonus); the path's n drafts and that token are emitted, and the cache advances by n + 1.
 The accepted path's keys and values go to slots length_b - 1 .. length_b - 1 + n; the slots after it are never
 committed, and later rounds overwrite them. A chain, known as one at trace time, skips what only branching trees
@@ -35,7 +35,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.acceptance import accept
 from specjax.adaptive import (
     Adaptive,
     choose,
@@ -49,15 +48,24 @@ from specjax.adaptive import (
     step_pace,
 )
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.acceptance import accept
+from specjax.decoding.autoregressive import (
+    Completion,
+    GenerateResult,
+    _compiled,
+    _is_eos,
+    completions,
+    prefill,
+    prepare_batch,
+)
+from specjax.decoding.autoregressive import generate as plain_generate
 from specjax.defaults import MAX_DRAFT_TOKENS
 from specjax.drafters.base import Drafter
+from specjax.drafters.tree import DraftTree, TreeSpec, path_to
 from specjax.errors import InputError
-from specjax.generate import Completion, GenerateResult, _compiled, _is_eos, completions, prefill, prepare_batch
-from specjax.generate import generate as plain_generate
-from specjax.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward_new_kv
 from specjax.sampling import Sampling, sample
-from specjax.tree import DraftTree, TreeSpec, path_to
 
 
 @jax.tree_util.register_dataclass
@@ -365,7 +373,7 @@ def generate(
 ) -> SpecResult:
     """Generates a continuation of each prompt (one batch) with speculative decoding.
 
-    Greedy output is token-identical to `specjax.generate.generate`; sampled output has the target's distribution.
+    Greedy output is token-identical to `specjax.decoding.autoregressive.generate`; sampled output has the target's distribution.
 
     Args:
       weights: the target weights.
