@@ -49,7 +49,7 @@ def cached_measurement(kind: str, signature: dict[str, Any], measure: Callable[[
     """The value `measure()` returned for this signature on this machine: read from `cache_dir()/kind`, else measured
     now and written there atomically, beside the signature it was taken under."""
     signature = {"machine": machine(), **signature}
-    key = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:20]
+    key = hashlib.sha256(f"{kind} {json.dumps(signature, sort_keys=True)}".encode()).hexdigest()[:20]
     path = cache_dir() / kind / f"{key}.json"
     if path.is_file():
         return json.loads(path.read_text())["value"]

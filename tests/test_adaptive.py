@@ -28,7 +28,7 @@ from specjax.adaptive import (
 )
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
-from specjax.decoding.autoregressive import prepare_batch
+from specjax.decoding.batch import prepare_batch
 from specjax.drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache

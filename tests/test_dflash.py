@@ -15,7 +15,7 @@ import specjax.decoding.speculative as spec
 from specjax.cli import common as cli
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
-from specjax.decoding.autoregressive import pack_prompts
+from specjax.decoding.batch import pack_prompts
 from specjax.drafters import DFlashDrafter, drafter_from_spec
 from specjax.errors import CheckpointError, InputError
 from specjax.io.dflash_checkpoint import load_dflash, save_dflash

@@ -12,7 +12,7 @@ import pytest
 from specjax.cli.generate import entry
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
-from specjax.decoding.autoregressive import pack_prompts
+from specjax.decoding.batch import pack_prompts
 from specjax.drafters import (
     Drafter,
     LayerSkipDrafter,

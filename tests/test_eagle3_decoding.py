@@ -18,7 +18,7 @@ from specjax import acceptance
 from specjax import tree as tree_mod
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
-from specjax.decoding.autoregressive import pack_prompts
+from specjax.decoding.batch import pack_prompts
 from specjax.drafters import Eagle3Drafter, LookupFirstDrafter, drafter_from_spec, with_lookup_tokens
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError

@@ -12,7 +12,7 @@ import specjax.decoding.speculative as spec
 from specjax import acceptance
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
-from specjax.decoding.autoregressive import pack_prompts
+from specjax.decoding.batch import pack_prompts
 from specjax.drafters import BaseDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
 from specjax.drafters.tree import DraftTree
 from specjax.errors import InputError

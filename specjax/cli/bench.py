@@ -19,16 +19,19 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from specjax.adaptive import Adaptive, machine
+from specjax.adaptive import Adaptive
 from specjax.cli import common as cli
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import speculative
-from specjax.decoding.autoregressive import generate, prompt_bucket
-from specjax.defaults import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM, DEFAULT_TREE
+from specjax.decoding.autoregressive import generate
+from specjax.decoding.batch import prompt_bucket
+from specjax.decoding.stats import SpecStats, acceptance
 from specjax.drafters import Drafter, LayerSkipDrafter, drafter_from_spec
+from specjax.drafters.ngram import DEFAULT_NGRAM
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.evalsets import chat_prompts, humaneval_prompts
+from specjax.host import machine
 from specjax.io.loading import LoadedModel, load_model
 from specjax.measure.bandwidth import device_bandwidth
 from specjax.measure.memory import weight_bytes
@@ -80,7 +83,7 @@ class ModeRun:
         )
         read = weight_bytes * self.forwards / total_seconds if self.forwards else None
         stats = (
-            speculative.SpecStats.from_histogram(self.rounds, self.histogram, total_tokens, total_seconds)
+            SpecStats.from_histogram(self.rounds, self.histogram, total_tokens, total_seconds)
             if self.histogram
             else None
         )
@@ -230,6 +233,7 @@ MODES: dict[str, Callable[..., Runner]] = {
     "ngram-eagle3": specjax_speculative("ngram-eagle3"),
     "dflash": specjax_speculative("dflash"),
 }
+DEFAULT_TREE = "5,3,10"  # the eagle3-tree mode's tree
 SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree", "ngram-eagle3", "dflash")
 
 
@@ -339,10 +343,10 @@ def add_breakdowns(
     forward_at = dict(zip(counts, seconds))
     for (mode, runner), drafter_s in zip(fixed.items(), seconds[len(counts) :]):
         run = runs[mode]
-        stats = speculative.SpecStats.from_histogram(run.rounds, run.histogram, sum(run.batch_tokens), 1.0)
+        mean_accepted, _ = acceptance(run.histogram)
         run.breakdown = round_breakdown(
             ForwardCosts(forward_at[1], forward_at[verified[mode]]), sum(run.batch_seconds) / run.repeats, run.rounds,
-            stats.mean_accepted, runner.draft_steps, drafter_s, prefill_s,
+            mean_accepted, runner.draft_steps, drafter_s, prefill_s,
         )  # fmt: skip
 
 
@@ -401,7 +405,7 @@ def parser() -> cli.ArgumentParser:
         "adaptively; a chain mode with ':K' (e.g. ngram:2) drafts its own fixed K, so one run compares several",
     )  # fmt: skip
     p.add_argument(
-        "--num-draft-tokens", type=cli.draft_tokens, default=DEFAULT_DRAFT_TOKENS,
+        "--num-draft-tokens", type=cli.draft_tokens, default=cli.DEFAULT_DRAFT_TOKENS,
         help="K for the chain modes; 'auto': every speculative mode drafts adaptively (specjax.adaptive)",
     )  # fmt: skip
     p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, help="n-gram size of the ngram and ngram-eagle3 modes")
@@ -450,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     plot_path = cli.check_output_file(args.plot or args.out_dir / "bench.png")
     model = load_model(args.model)
     ids = cli.encode_prompts(model.tokenizer, prompts, args.raw)
-    eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(model.tokenizer.eos_token_ids)))
+    eos = model.eos_ids
     batch_size = args.batch_size or 1
     groups = cli.batches(ids, batch_size)
     if len(groups) > 1 and len(groups[-1]) < batch_size:

@@ -11,13 +11,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specjax.config import SamplingConfig
-from specjax.defaults import CALIBRATION_DRAFT_TOKENS
 from specjax.errors import InputError, SpecjaxError
 from specjax.io.jsonl import read_prompts_file
 from specjax.io.tokenizer import Tokenizer
+from specjax.measure.calibration import CALIBRATION_DRAFT_TOKENS
 from specjax.measure.memory import MemoryPlan, check_fits, device_memory, memory_plan
 
 RawDescription = argparse.RawDescriptionHelpFormatter
+DEFAULT_DRAFT_TOKENS = 5  # K, drafts per round, of specjax-generate and specjax-bench when none is given
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -163,19 +164,19 @@ def fixed_drafting(model, drafter, num_draft_tokens: int | str, lookup_tokens: i
         return drafter, "auto"
     drafter, verified = with_lookup_tokens(drafter, num_draft_tokens, lookup_tokens)
     if drafter is not None:
-        speculative.check_inputs(model.cfg, drafter, verified)
+        speculative.check_inputs(model.cfg, drafter, speculative.as_policy(verified))
     return drafter, verified
 
 
 def auto_max_drafts(drafter) -> int:
     """The largest K `--num-draft-tokens auto` drafts: the default, or less where the drafter proposes fewer."""
-    return min(CALIBRATION_DRAFT_TOKENS, drafter.max_draft_tokens or CALIBRATION_DRAFT_TOKENS)
+    return min(CALIBRATION_DRAFT_TOKENS, drafter.traits.max_draft_tokens or CALIBRATION_DRAFT_TOKENS)
 
 
 def adaptive_drafting(model, drafter, sampling, batch: int, context: int):
     """`--num-draft-tokens auto`: the calibrated menu of `specjax.adaptive`, checked and reported on stderr."""
-    from specjax.adaptive import calibrated
     from specjax.decoding import speculative
+    from specjax.measure.calibration import calibrated
 
     adaptive = calibrated(
         model.weights, model.cfg, drafter, auto_max_drafts(drafter), batch=batch, context=context, sampling=sampling

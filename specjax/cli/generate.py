@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok = model.tokenizer
     drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=_load_draft, tree=tree)
     prompt_ids = cli.encode_prompts(tok, prompts, args.raw)
-    eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(tok.eos_token_ids)))
+    eos = model.eos_ids
     samples = args.num_samples
     rows = args.batch_size or (min(samples, 64) if samples > 1 else 8)
     per_call = max(1, min(rows // samples, len(prompts)))  # prompts per batch (more would decode padding rows)

@@ -1,27 +1,21 @@
-"""Exact speculative decoding: draft, verify every draft in one target forward, accept, repeat.
+"""Exact speculative decoding: every round drafts, verifies, accepts, writes and commits, inside one jit.
 
-The whole loop is one `jax.jit` around `lax.while_loop` with a pytree state; it compiles once per
-(batch, prompt bucket, max_new_tokens, K, drafter options, greedy or sampled) and makes no host round trip per round.
-Rows accept independently; a row stops at EOS or max_new_tokens while the others go on.
+The loop is one `lax.while_loop` over a pytree state (`SpecState`); it compiles once per (batch, prompt bucket,
+max_new_tokens, drafter options, policy menu, greedy or sampled) and makes no host round trip per round. Rows accept
+independently; a row stops at EOS or max_new_tokens while the others go on.
 
-Bookkeeping per row: `tokens_bs` holds the prompt and the generated tokens; `length_b` of them are committed. The
-last committed token is "pending": the target has not seen it yet, so the target cache holds `length_b - 1` tokens.
-A round has one path for every drafter (`specjax.drafters.base` has the protocol): the drafter proposes a draft tree
-(`specjax.drafters.tree.DraftTree`) rooted at the pending token, of the static shape `drafter.draft_shape(K)`: a chain of K
-drafts, or a tree drafter's own tree. One target forward runs its nodes at positions length_b - 1 + depth under their
-ancestor mask; `specjax.decoding.acceptance` accepts n drafts along one path and adds one token from the target (the
-correction, or the bonus); the path's n drafts and that token are emitted, and the cache advances by n + 1.
-The accepted path's keys and values go to slots length_b - 1 .. length_b - 1 + n; the slots after it are never
-committed, and later rounds overwrite them. A chain, known as one at trace time, skips what only branching trees
-need: its mask is the plain causal one and its nodes are already its path, while a tree's path is gathered from its
-nodes. Drafters with `tap_layers` get the target's taps, and `commit` sees the committed rows after the prefill and
-every round.
-
-With an adaptive menu (`specjax.adaptive`) the loop holds one round per menu entry, each of its own static shape,
-and `lax.switch`es to the one the rows' acceptance so far and the measured costs favour; a plain decoding step is
-the round whose draft is the pending token alone (`TreeSpec.chain(0)`). A round only reads the target cache: it
-returns its accepted path's keys and values, and the loop writes them after the switch, so the cache is never
-copied into or out of a branch.
+Per row, `tokens_bs` holds the prompt and the generated tokens, `length_b` of them committed. The last committed
+token is pending: the target has not run on it, so the target cache holds `length_b - 1` tokens. A round:
+  draft   the drafter proposes a tree of the static shape `draft_shape(k)` rooted at the pending token (a chain of k,
+          or a tree drafter's own tree; a plain step is the pending token alone, `TreeSpec.chain(0)`);
+  verify  one target forward over its nodes at positions length_b - 1 + depth, under their ancestor mask, which
+          only reads the cache;
+  accept  `specjax.decoding.acceptance` keeps n drafts along one path and adds one target token;
+  write   the path's keys and values go to the cache slots after the committed text, which advances by n + 1 (cut at
+          EOS and max_new_tokens); slots past it are never committed, and later rounds overwrite them;
+  commit  the drafter sees the committed rows (and the target's taps there).
+The policy (`specjax.adaptive`: `Fixed(K)` or `Adaptive`) picks each round's menu entry; the loop holds one round
+per entry and `lax.switch`es between them. Rounds only read the cache, so the cache never passes through the switch.
 """
 
 from __future__ import annotations
@@ -35,33 +29,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.adaptive import (
-    Adaptive,
-    choose,
-    evidence,
-    first_pace,
-    menu_depths,
-    never_drafts,
-    observe,
-    paces,
-    rates,
-    step_pace,
-)
+from specjax.adaptive import Adaptive, Fixed, Policy
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.acceptance import accept
-from specjax.decoding.autoregressive import (
-    Completion,
-    GenerateResult,
-    _compiled,
-    _is_eos,
-    completions,
-    prefill,
-    prepare_batch,
-)
+from specjax.decoding.autoregressive import GenerateResult, prefill
 from specjax.decoding.autoregressive import generate as plain_generate
-from specjax.defaults import MAX_DRAFT_TOKENS
-from specjax.drafters.base import Drafter
-from specjax.drafters.tree import DraftTree, TreeSpec, path_to
+from specjax.decoding.batch import compiled, completions, is_eos, prepare_batch
+from specjax.decoding.stats import SpecResult, SpecStats
+from specjax.drafters.base import Drafter, pending_tokens
+from specjax.drafters.tree import MAX_DRAFT_TOKENS, DraftTree, TreeSpec, path_to
 from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward_new_kv
@@ -71,35 +47,28 @@ from specjax.sampling import Sampling, sample
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecState:
-    tokens_bs: jax.Array  # [B, P + max_new + capacity] prompt then generated tokens; slots >= length_b are stale
+    tokens_bs: jax.Array  # [B, S] prompt then generated tokens; slots >= length_b are stale
     length_b: jax.Array  # [B] committed tokens (prompt + generated); the last one is pending
     num_new_b: jax.Array  # [B] generated tokens
     done_b: jax.Array  # [B] the row produced EOS or reached max_new_tokens
-    cache: KVCache  # target cache; lengths == length_b - 1
+    cache: KVCache | None  # the target's; lengths == length_b - 1 (None inside a round, which only reads it)
     draft_state: Any  # the drafter's pytree
-    key: jax.Array
+    policy_state: Any  # the policy's pytree
     rounds: jax.Array  # [] loop iterations
-    accepted_hist: jax.Array  # [D + 1] row-rounds (of rows still running) that accepted 0..D drafts (D: the depth)
-    menu_rounds: jax.Array  # [S] rounds of each menu entry (one entry, K, without adaptive drafting)
-    tally_brc: jax.Array  # [B, R, 2] float32 accepted drafts and tried depths per kind of round (specjax.adaptive)
-    pace_b2: jax.Array  # [B, 2] float32 running steps and emitted tokens (specjax.adaptive)
-    evidence: jax.Array  # [R, 2] float32 accepted drafts and tried depths per kind of round (`Adaptive.learn`)
+    accepted_hist: jax.Array  # [D + 1] row-rounds (of rows still running) that accepted 0..D drafts
+    menu_rounds: jax.Array  # [S] rounds of each menu entry
+    key: jax.Array
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecOutput:
     out_bn: jax.Array  # [B, max_new] generated tokens (pad after num_new_b)
-    num_new_b: jax.Array  # [B]
-    rounds: jax.Array  # []
-    accepted_hist: jax.Array  # [D + 1]
-    menu_rounds: jax.Array  # [S]
-    evidence: jax.Array  # [R, 2]
-    state: SpecState  # the final state (target cache, token buffer) for inspection
+    state: SpecState  # the final state: counts, the policy's state, the target cache and token buffer
 
 
 class Path(NamedTuple):
-    """A round's accepted path, padded to D + 1 rows: what `step` writes after the round."""
+    """A round's accepted path, padded to D + 1 rows: what `write_back` writes after the round."""
 
     k: jax.Array  # [L, B, D + 1, K, H] target keys of the path's nodes
     v: jax.Array
@@ -107,19 +76,152 @@ class Path(NamedTuple):
     taps: jax.Array | None  # [B, D + 1, F] the target's taps at the path's nodes (drafters with tap_layers)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_draft_tokens", "max_new_tokens", "eos_ids", "num_samples"))
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """What every round of one call reads: its inputs and static shapes."""
+
+    weights: Weights
+    drafter: Drafter
+    policy: Policy
+    sampling: Sampling
+    cfg: ModelConfig
+    shapes: tuple[TreeSpec, ...]  # each menu entry's draft
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+
+    @property
+    def depth(self) -> int:
+        """D: the deepest draft of the menu."""
+        return max(shape.depth for shape in self.shapes)
+
+
+def start(loop: Loop, tokens_up, lengths_u, key, active_b, num_samples: int) -> tuple[SpecState, jax.Array]:
+    """The state after the prefill and its first sampled token; and the rows' prompt lengths."""
+    U, P = tokens_up.shape
+    B = U * num_samples
+    taps = loop.drafter.traits.tap_layers
+    num_slots = P + loop.max_new_tokens + max(shape.capacity for shape in loop.shapes)
+    pad = loop.eos_ids[0] if loop.eos_ids else 0
+    # The barrier keeps XLA from constant-folding attention over the empty (all-zero) cache.
+    cache = jax.lax.optimization_barrier(KVCache.empty(loop.cfg, U, num_slots, loop.weights.embed.dtype))
+    logits_bv, taps_bpf, cache = prefill(loop.weights, loop.cfg, tokens_up, lengths_u, cache, num_samples,
+                                         tap_layers=taps)  # fmt: skip
+    tokens_bp, lengths_b = jnp.repeat(tokens_up, num_samples, axis=0), cache.lengths
+    key, sub = jax.random.split(key)
+    first = sample(sub, logits_bv, loop.sampling)
+    rows = jnp.arange(B)
+    tokens_bs = jnp.full((B, num_slots), pad, jnp.int32).at[:, :P].set(tokens_bp).at[rows, lengths_b].set(first)
+    draft_state = jax.lax.optimization_barrier(loop.drafter.init(tokens_bp, lengths_b, num_slots))
+    draft_state = loop.drafter.commit(draft_state, tokens_bs[:, 1 : P + 1], taps_bpf, lengths_b)
+    depths = [shape.depth for shape in loop.shapes]
+    state = SpecState(
+        tokens_bs=tokens_bs,
+        length_b=lengths_b + 1,
+        num_new_b=jnp.ones((B,), jnp.int32),
+        done_b=is_eos(first, loop.eos_ids) | (loop.max_new_tokens == 1) | (False if active_b is None else ~active_b),
+        cache=cache,
+        draft_state=draft_state,
+        policy_state=loop.policy.start(depths, B, loop.drafter.traits.regimes),
+        rounds=jnp.int32(0),
+        accepted_hist=jnp.zeros((loop.depth + 1,), jnp.int32),
+        menu_rounds=jnp.zeros((len(loop.shapes),), jnp.int32),
+        key=key,
+    )
+    return state, lengths_b
+
+
+def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Array) -> tuple[SpecState, Path]:
+    """One round of menu entry `entry` (static), reading the cache only: the next state without its cache, and the
+    accepted path that `write_back` writes (padded to the menu's depth D, so every entry returns one shape)."""
+    shape, D = loop.shapes[entry], loop.depth
+    B, V = s.tokens_bs.shape[0], loop.cfg.vocab_size
+    j = jnp.arange(shape.depth + 1)[None, :]
+    key, k_draft, k_accept = jax.random.split(s.key, 3)
+
+    # Draft.
+    if shape.depth == 0:  # a plain step: the pending token alone, its next token from the target
+        none = jnp.zeros((B, 0), jnp.int32)
+        draft = DraftTree.chain(pending_tokens(s.tokens_bs, s.length_b), none, jnp.zeros((B, 0, V), jnp.float32))
+        draft_state = s.draft_state
+    else:
+        draft, draft_state = loop.drafter.propose(
+            s.draft_state, s.tokens_bs, s.length_b, k_draft, shape=shape, vocab_size=V, sampling=loop.sampling
+        )
+
+    # Verify.
+    taps = loop.drafter.traits.tap_layers
+    logits, taps_btf, k_new, v_new = forward_new_kv(
+        loop.weights, loop.cfg, draft.tokens, (s.length_b - 1)[:, None] + draft.depths, s.cache,
+        new_mask_btt=None if shape.is_chain else draft.ancestors, tap_layers=taps,
+    )  # fmt: skip
+
+    # Accept: n drafts along one path, then the target's token. A chain's path is its nodes 0..n, in place.
+    n, nxt, last = accept(k_accept, draft, logits, loop.sampling)
+    path_tokens, path_taps = draft.tokens, taps_btf
+    if not shape.is_chain:
+        path = path_to(draft, last, n, shape.depth)
+        path_tokens = jnp.take_along_axis(draft.tokens, path, axis=1)
+        path_taps = None if taps_btf is None else jnp.take_along_axis(taps_btf, path[..., None], axis=1)
+        k_new, v_new = (jnp.take_along_axis(x, path[None, :, :, None, None], axis=2) for x in (k_new, v_new))
+
+    # Emitted: the accepted drafts, then nxt; cut at the first EOS and at max_new_tokens.
+    emitted = jnp.where(j < n[:, None], jnp.roll(path_tokens, -1, axis=1), nxt[:, None])
+    eos_at = jnp.where(is_eos(emitted, loop.eos_ids) & (j <= n[:, None]), j, shape.depth + 1).min(axis=1)
+    count = jnp.minimum(jnp.minimum(n + 1, eos_at + 1), loop.max_new_tokens - s.num_new_b)
+    count = jnp.where(s.done_b, 0, count)
+    slots = jnp.where(j < count[:, None], s.length_b[:, None] + j, s.tokens_bs.shape[1])
+    num_new = s.num_new_b + count
+    running = ~s.done_b
+    after = dataclasses.replace(
+        s,
+        tokens_bs=s.tokens_bs.at[jnp.arange(B)[:, None], slots].set(emitted, mode="drop"),
+        length_b=s.length_b + count,
+        num_new_b=num_new,
+        done_b=s.done_b | (eos_at < count) | (num_new >= loop.max_new_tokens),
+        cache=None,
+        draft_state=draft_state,
+        policy_state=loop.policy.observe(s.policy_state, entry, shape.depth, regime_b, n, count, running),
+        rounds=s.rounds + 1,
+        accepted_hist=s.accepted_hist + jnp.sum(jax.nn.one_hot(n, D + 1, dtype=jnp.int32) * running[:, None], axis=0),
+        menu_rounds=s.menu_rounds.at[entry].add(1),
+        key=key,
+    )
+    pad = D - shape.depth  # every entry's path: D + 1 slots
+    k_path, v_path = (jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0), (0, 0)]) for x in (k_new, v_new))
+    path_taps = None if path_taps is None else jnp.pad(path_taps, [(0, 0), (0, pad), (0, 0)])
+    return after, Path(k_path, v_path, jnp.pad(emitted, [(0, 0), (0, pad)]), path_taps)
+
+
+def write_back(loop: Loop, before: SpecState, after: SpecState, path: Path) -> SpecState:
+    """`after` with the target cache written and advanced by each row's committed count, and the drafter's commit."""
+    count = after.length_b - before.length_b
+    return dataclasses.replace(
+        after,
+        cache=before.cache.write(path.k, path.v).advance(count),
+        draft_state=loop.drafter.commit(after.draft_state, path.tokens, path.taps, count),
+    )
+
+
+def finish(loop: Loop, s: SpecState, prompt_lengths_b: jax.Array) -> SpecOutput:
+    """The generated tokens of each row, padded after its count."""
+    positions = jnp.arange(loop.max_new_tokens)[None, :]
+    out = jnp.take_along_axis(s.tokens_bs, prompt_lengths_b[:, None] + positions, axis=1)
+    out = jnp.where(positions < s.num_new_b[:, None], out, loop.eos_ids[0] if loop.eos_ids else 0)
+    return SpecOutput(out, s)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_ids", "num_samples"))
 def speculative_decode(
     weights: Weights,
     drafter: Drafter,
+    policy: Policy,
     tokens_up: jax.Array,
     lengths_u: jax.Array,
     key: jax.Array,
     sampling: Sampling,
     active_b: jax.Array | None = None,
-    adaptive: Adaptive | None = None,
     *,
     cfg: ModelConfig,
-    num_draft_tokens: int,
     max_new_tokens: int,
     eos_ids: tuple[int, ...],
     num_samples: int = 1,
@@ -129,232 +231,77 @@ def speculative_decode(
     Args:
       weights: the target weights.
       drafter: any `Drafter` (a pytree).
+      policy: `Fixed(K)` or an `Adaptive` menu (pytrees; their menus are static).
       tokens_up: int32 [U, P] right-padded prompts.
       lengths_u: int32 [U] prompt lengths.
       key: PRNG key (unused when greedy).
-      sampling: the rows' sampling values, applied to target and draft alike (data: a new value does not compile
-        again; only `sampling.greedy` is static).
+      sampling: the rows' sampling values, applied to target and draft alike (data; only `sampling.greedy` is
+        static).
       active_b: optional bool [B]; rows that are False (batch padding) start finished: they generate one token,
         never run a round and do not count in the statistics.
-      adaptive: optional; every round then picks its draft size from `adaptive.menu` (`specjax.adaptive`), which
-        replaces num_draft_tokens.
       cfg: static target config.
-      num_draft_tokens: static K >= 1; the drafter's `draft_shape(K)` is the shape of every round's draft (without
-        `adaptive`).
       max_new_tokens: static; at most this many tokens per row.
       eos_ids: static; a row stops after producing one of these.
       num_samples: static; rows per prompt (adjacent), sharing the prompt's target prefill.
-    Returns:
-      A SpecOutput.
     """
-    U, P = tokens_up.shape
-    B = U * num_samples
-    menu = adaptive.menu if adaptive is not None else (num_draft_tokens,)
-    shapes = [drafter.draft_shape(k) if k else TreeSpec.chain(0) for k in menu]  # chain(0): a plain step
+    shapes = tuple(drafter.draft_shape(k) if k else TreeSpec.chain(0) for k in policy.menu)
+    loop = Loop(weights, drafter, policy, sampling, cfg, shapes, max_new_tokens, eos_ids)
+    state, prompt_lengths_b = start(loop, tokens_up, lengths_u, key, active_b, num_samples)
+    rounds = [functools.partial(draft_verify_accept, loop, entry) for entry in range(len(shapes))]
     depths = [shape.depth for shape in shapes]
-    D = max(depths)
-    taps = drafter.tap_layers
-    R = drafter.num_regimes
-    if adaptive is not None:  # one prior for every kind of round, or one each
-        adaptive = dataclasses.replace(adaptive, prior=jnp.broadcast_to(adaptive.prior, (R,)))
-    num_slots = P + max_new_tokens + max(shape.capacity for shape in shapes)
-    pad = eos_ids[0] if eos_ids else 0
-    # The barrier keeps XLA from constant-folding attention over the empty (all-zero) cache, which took minutes to
-    # compile at large batch sizes.
-    cache = jax.lax.optimization_barrier(KVCache.empty(cfg, U, num_slots, weights.embed.dtype))
-    logits_bv, taps_bpf, cache = prefill(weights, cfg, tokens_up, lengths_u, cache, num_samples, tap_layers=taps)
-    tokens_bp, lengths_b = jnp.repeat(tokens_up, num_samples, axis=0), cache.lengths
-    key, sub = jax.random.split(key)
-    first = sample(sub, logits_bv, sampling)
-    rows = jnp.arange(B)
-    tokens_bs = jnp.full((B, num_slots), pad, jnp.int32).at[:, :P].set(tokens_bp).at[rows, lengths_b].set(first)
-    draft_state = jax.lax.optimization_barrier(drafter.init(tokens_bp, lengths_b, num_slots))
-    draft_state = drafter.commit(draft_state, tokens_bs[:, 1 : P + 1], taps_bpf, lengths_b)
-    state = SpecState(
-        tokens_bs=tokens_bs,
-        length_b=lengths_b + 1,
-        num_new_b=jnp.ones((B,), jnp.int32),
-        done_b=_is_eos(first, eos_ids) | (max_new_tokens == 1) | (False if active_b is None else ~active_b),
-        cache=cache,
-        draft_state=draft_state,
-        key=key,
-        rounds=jnp.int32(0),
-        accepted_hist=jnp.zeros((D + 1,), jnp.int32),
-        menu_rounds=jnp.zeros((len(menu),), jnp.int32),
-        tally_brc=jnp.zeros((B, R, 2), jnp.float32),
-        pace_b2=first_pace(adaptive, depths, B) if adaptive is not None else jnp.ones((B, 2), jnp.float32),
-        evidence=jnp.zeros((R, 2), jnp.float32),
-    )
-
-    def round_of(entry: int, shape: TreeSpec):
-        """One round drafting `shape` (static); `entry` is its place in the menu. It returns the next state without its
-        cache, the keys and values of the accepted path's D + 1 slots, and its emitted tokens and taps (all padded
-        past the round's own depth), which `step` writes to the cache and commits to the drafter: so the cache,
-        the largest part of the state, never passes through `lax.switch`, which copied it in and out every round,
-        and the drafter's commit runs once, outside it."""
-        j = jnp.arange(shape.depth + 1)[None, :]
-
-        def run(s: SpecState, regime_b: jax.Array) -> tuple[SpecState, Path]:
-            key, k_draft, k_accept = jax.random.split(s.key, 3)
-            if shape.depth == 0:  # a plain step: the pending token alone, its next token from the target
-                pending_b = jnp.take_along_axis(s.tokens_bs, (s.length_b - 1)[:, None], axis=1)[:, 0]
-                none = jnp.zeros((B, 0), jnp.int32)
-                draft = DraftTree.chain(pending_b, none, jnp.zeros((B, 0, cfg.vocab_size), jnp.float32))
-                draft_state = s.draft_state
-            else:
-                draft, draft_state = drafter.propose_tree(
-                    s.draft_state, s.tokens_bs, s.length_b, k_draft, shape=shape, vocab_size=cfg.vocab_size,
-                    sampling=sampling,
-                )  # fmt: skip
-            base = s.length_b - 1
-            logits, taps_btf, k_new, v_new = forward_new_kv(
-                weights, cfg, draft.tokens, base[:, None] + draft.depths, s.cache,
-                new_mask_btt=None if shape.is_chain else draft.ancestors, tap_layers=taps,
-            )  # fmt: skip
-            n, nxt, last = accept(k_accept, draft, logits, sampling)
-            path_tokens, path_taps = draft.tokens, taps_btf  # a chain's path: nodes 0 .. n, in place
-            if not shape.is_chain:
-                path = path_to(draft, last, n, shape.depth)
-                path_tokens = jnp.take_along_axis(draft.tokens, path, axis=1)
-                path_taps = None if taps_btf is None else jnp.take_along_axis(taps_btf, path[..., None], axis=1)
-                k_new, v_new = (jnp.take_along_axis(x, path[None, :, :, None, None], axis=2) for x in (k_new, v_new))
-            to_depth = [(0, 0), (0, 0), (0, D - shape.depth), (0, 0), (0, 0)]  # every round's path: D + 1 slots
-            k_path, v_path = (jnp.pad(x, to_depth) for x in (k_new, v_new))
-            if path_taps is not None:
-                path_taps = jnp.pad(path_taps, [(0, 0), (0, D - shape.depth), (0, 0)])
-            # Emitted this round: the accepted drafts, then nxt; cut at the first EOS and at max_new_tokens.
-            emitted = jnp.where(j < n[:, None], jnp.roll(path_tokens, -1, axis=1), nxt[:, None])
-            eos_at = jnp.where(_is_eos(emitted, eos_ids) & (j <= n[:, None]), j, shape.depth + 1).min(axis=1)
-            count = jnp.minimum(jnp.minimum(n + 1, eos_at + 1), max_new_tokens - s.num_new_b)
-            count = jnp.where(s.done_b, 0, count)
-            slots = s.length_b[:, None] + j
-            tokens_bs = s.tokens_bs.at[rows[:, None], jnp.where(j < count[:, None], slots, num_slots)].set(
-                emitted, mode="drop"
-            )
-            num_new = s.num_new_b + count
-            done = s.done_b | (eos_at < count) | (num_new >= max_new_tokens)
-            running = ~s.done_b
-            hist = s.accepted_hist + jnp.sum(jax.nn.one_hot(n, D + 1, dtype=jnp.int32) * running[:, None], axis=0)
-            tally, seen, pace = s.tally_brc, s.evidence, s.pace_b2
-            if adaptive is not None:
-                tally = observe(tally, regime_b, shape.depth, n, running)
-                seen = seen + evidence(regime_b, shape.depth, n, running, R)
-                pace = step_pace(pace, adaptive.cost[entry], count, running)
-            next_state = SpecState(
-                tokens_bs=tokens_bs,
-                length_b=s.length_b + count,
-                num_new_b=num_new,
-                done_b=done,
-                cache=None,
-                draft_state=draft_state,
-                key=key,
-                rounds=s.rounds + 1,
-                accepted_hist=hist,
-                menu_rounds=s.menu_rounds.at[entry].add(1),
-                tally_brc=tally,
-                pace_b2=pace,
-                evidence=seen,
-            )
-            return next_state, Path(k_path, v_path, jnp.pad(emitted, [(0, 0), (0, D - shape.depth)]), path_taps)
-
-        return run
-
-    rounds = [round_of(entry, shape) for entry, shape in enumerate(shapes)]
 
     def step(s: SpecState) -> SpecState:
-        if adaptive is None:
-            next_state, path = rounds[0](s, jnp.zeros((B,), jnp.int32))
-        else:
-            regime_b = drafter.regime(s.draft_state, s.tokens_bs, s.length_b)
-            rate_b = jnp.take_along_axis(rates(adaptive, s.tally_brc), regime_b[:, None], axis=1)[:, 0]
-            remaining_b = jnp.where(s.done_b, 0, max_new_tokens - s.num_new_b)
-            entry = choose(adaptive, depths, rate_b, paces(s.pace_b2), remaining_b)
-            next_state, path = jax.lax.switch(entry, rounds, s, regime_b)
-        count = next_state.length_b - s.length_b
-        return dataclasses.replace(
-            next_state,
-            cache=s.cache.write(path.k, path.v).advance(count),
-            draft_state=drafter.commit(next_state.draft_state, path.tokens, path.taps, count),
-        )
+        regime_b = drafter.regime(s.draft_state, s.tokens_bs, s.length_b)
+        remaining_b = jnp.where(s.done_b, 0, max_new_tokens - s.num_new_b)
+        entry = policy.choose(s.policy_state, depths, regime_b, remaining_b)
+        after, path = jax.lax.switch(entry, rounds, s, regime_b)
+        return write_back(loop, s, after, path)
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), step, state)
-    out_slots = lengths_b[:, None] + jnp.arange(max_new_tokens)[None, :]
-    out = jnp.take_along_axis(state.tokens_bs, out_slots, axis=1)
-    out = jnp.where(jnp.arange(max_new_tokens)[None, :] < state.num_new_b[:, None], out, pad)
-    return SpecOutput(out, state.num_new_b, state.rounds, state.accepted_hist, state.menu_rounds, state.evidence, state)
+    return finish(loop, state, prompt_lengths_b)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Host-side entry point.
+# Host side.
 
 
-@dataclasses.dataclass(frozen=True)
-class SpecStats:
-    """What the drafts bought. Row-rounds count each running row once per round."""
-
-    rounds: int  # loop iterations (verification passes of the whole batch)
-    mean_accepted: float  # tokens emitted per row-round, counting the correction / bonus token (before EOS cuts)
-    acceptance_by_position: list[float]  # [K] fraction of row-rounds whose draft i was accepted
-    accepted_histogram: list[int]  # [D + 1] row-rounds that accepted 0..D drafts (D: K, or a tree's depth)
-    new_tokens: int
-    tokens_per_s: float
-    rounds_by_drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # rounds of each draft size (menu)
-    # Adaptive drafting: (accepted drafts, tried depths) per kind of round, what `Adaptive.learn` pools into the prior.
-    acceptance_evidence: list[tuple[float, float]] = dataclasses.field(default_factory=list)
-    plain_steps: int = 0  # steps plain decoding takes for these outputs: the longest, less the prefill's token
-
-    @classmethod
-    def from_histogram(cls, rounds: int, hist: Sequence[int], new_tokens: int, seconds: float) -> SpecStats:
-        hist = [int(h) for h in hist]
-        total = max(sum(hist), 1)
-        mean = sum((i + 1) * h for i, h in enumerate(hist)) / total
-        by_pos = [sum(hist[i + 1 :]) / total for i in range(len(hist) - 1)]
-        return cls(int(rounds), mean, by_pos, hist, new_tokens, new_tokens / seconds if seconds > 0 else 0.0)
+def as_policy(num_draft_tokens: int | Policy) -> Policy:
+    """An int K is `Fixed(K)`."""
+    return Fixed(int(num_draft_tokens)) if isinstance(num_draft_tokens, int) else num_draft_tokens
 
 
-@dataclasses.dataclass(frozen=True)
-class SpecResult:
-    completions: list[Completion]
-    seconds: float  # wall time of the decoding itself
-    compile_seconds: float  # tracing and compilation, 0 when the executable was cached
-    stats: SpecStats
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(c.output_ids) for c in self.completions)
+def check_inputs(cfg: ModelConfig, drafter: Drafter, policy: Policy) -> None:
+    """Raises InputError for a drafter that cannot serve this target, a draft out of range, or an adaptive menu with a
+    plain step for a drafter that cannot follow one."""
+    if not isinstance(drafter, Drafter):
+        raise InputError(
+            f"{type(drafter).__name__} is not a drafter (see specjax.drafters.Drafter: subclass ChainDrafter and "
+            "implement propose_chain)"
+        )
+    if not isinstance(policy, (Fixed, Adaptive)):
+        raise InputError(f"num_draft_tokens is an int K, Fixed(K) or an Adaptive menu, got {type(policy).__name__}")
+    traits = drafter.traits
+    if isinstance(policy, Adaptive) and policy.prior.shape not in ((1,), (traits.regimes,)):
+        raise InputError(
+            f"the adaptive menu has priors for {policy.prior.shape[0]} kinds of round, the drafter tells "
+            f"{traits.regimes} apart: build it with Adaptive.of(..., regimes=drafter.traits.regimes)"
+        )
+    if 0 in policy.menu and not traits.plain_rounds:
+        raise InputError(f"{type(drafter).__name__} cannot follow plain decoding steps: leave 0 out of the menu")
+    # A menu of plain steps alone (drafting never pays here) still commits rows to the drafter: check it as for K=1.
+    for k in [k for k in policy.menu if k] or [1]:
+        if not 1 <= drafter.draft_shape(k).depth <= MAX_DRAFT_TOKENS:
+            raise InputError(f"the number of draft tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}")
+        drafter.validate(cfg, k)
 
 
 def as_plain_rounds(plain: GenerateResult, menu: Sequence[int], depth: int) -> SpecResult:
-    """Plain decoding's result as a speculative one whose every round was the menu's plain step (`never_drafts`)."""
+    """Plain decoding's result as a speculative one whose every round was the menu's plain step."""
     steps = [len(c.output_ids) - 1 for c in plain.completions]  # the first token comes with the prefill
     stats = SpecStats.from_histogram(max(steps, default=0), [sum(steps)] + [0] * depth, plain.new_tokens, plain.seconds)
     rounds_by_drafts = {k: stats.rounds if k == 0 else 0 for k in menu}
     stats = dataclasses.replace(stats, rounds_by_drafts=rounds_by_drafts, plain_steps=stats.rounds)
     return SpecResult(plain.completions, plain.seconds, plain.compile_seconds, stats)
-
-
-def check_inputs(cfg: ModelConfig, drafter: Drafter, num_draft_tokens: int | Adaptive) -> None:
-    """Raises InputError for a drafter that cannot serve this target, a chain of K out of range, or an adaptive menu
-    with a plain step for a drafter that cannot follow one."""
-    if not isinstance(drafter, Drafter):
-        raise InputError(
-            f"{type(drafter).__name__} is not a drafter (see specjax.drafters.Drafter: subclass BaseDrafter and "
-            "implement propose)"
-        )
-    sizes = num_draft_tokens.menu if isinstance(num_draft_tokens, Adaptive) else (num_draft_tokens,)
-    if isinstance(num_draft_tokens, Adaptive) and num_draft_tokens.prior.shape not in ((1,), (drafter.num_regimes,)):
-        raise InputError(
-            f"the adaptive menu has priors for {num_draft_tokens.prior.shape[0]} kinds of round, the drafter tells "
-            f"{drafter.num_regimes} apart: build it with Adaptive.of(..., regimes=drafter.num_regimes)"
-        )
-    if 0 in sizes and not drafter.allows_plain_rounds:
-        raise InputError(f"{type(drafter).__name__} cannot follow plain decoding steps: leave 0 out of the menu")
-    # A menu of plain steps alone (drafting never pays here) still commits rows to the drafter: check it as for K=1.
-    drafting = ([k for k in sizes if k] or [1]) if isinstance(num_draft_tokens, Adaptive) else [num_draft_tokens]
-    for k in drafting:
-        if not 1 <= drafter.draft_shape(k).depth <= MAX_DRAFT_TOKENS:
-            raise InputError(f"the number of draft tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}")
-        drafter.validate(cfg, k)
 
 
 def generate(
@@ -363,7 +310,7 @@ def generate(
     prompts: Sequence[Sequence[int]],
     *,
     drafter: Drafter,
-    num_draft_tokens: int | Adaptive,
+    num_draft_tokens: int | Policy,
     max_new_tokens: int,
     seed: int = 0,
     sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
@@ -373,17 +320,18 @@ def generate(
 ) -> SpecResult:
     """Generates a continuation of each prompt (one batch) with speculative decoding.
 
-    Greedy output is token-identical to `specjax.decoding.autoregressive.generate`; sampled output has the target's distribution.
+    Greedy output is token-identical to `specjax.decoding.autoregressive.generate`; sampled output has the target's
+    distribution.
 
     Args:
       weights: the target weights.
       cfg: the target config.
       prompts: token ids per prompt (different lengths are fine).
-      drafter: an NgramDrafter, LayerSkipDrafter, ModelDrafter, Eagle3Drafter or any other `Drafter`.
-      num_draft_tokens: K, drafts per round (1..MAX_DRAFT_TOKENS): the drafter's `draft_shape(K)` sets each round's
-        draft, a chain of K, or a tree drafter's own tree whatever K. Or an `Adaptive` menu
-        (`specjax.adaptive.calibrated`): every round picks its draft size from it; where it would pick the plain
-        step in every round (`specjax.adaptive.never_drafts`), this is plain decoding.
+      drafter: any `Drafter` (`specjax.drafters.drafter_from_spec` builds the shipped kinds).
+      num_draft_tokens: K, drafts per round (1..MAX_DRAFT_TOKENS; the same as `Fixed(K)`): the drafter's
+        `draft_shape(K)` is each round's draft, a chain of K or a tree drafter's own tree. Or an `Adaptive` menu
+        (`specjax.measure.calibration.calibrated`): every round picks its draft size from it; where it would pick the
+        plain step in every round (`never_drafts`), this is plain decoding.
       max_new_tokens: the most tokens generated per prompt.
       seed: PRNG seed.
       sampling: one setting for every prompt, or one per prompt; greedy by default.
@@ -394,35 +342,33 @@ def generate(
       A SpecResult with num_samples Completions per prompt (adjacent), in prompt order, and the acceptance
       statistics.
     """
-    check_inputs(cfg, drafter, num_draft_tokens)
-    adaptive = num_draft_tokens if isinstance(num_draft_tokens, Adaptive) else None
-    depths = menu_depths(drafter, adaptive.menu) if adaptive is not None else []
-    if adaptive is not None and never_drafts(adaptive, depths):
+    policy = as_policy(num_draft_tokens)
+    check_inputs(cfg, drafter, policy)
+    depths = [drafter.draft_shape(k).depth if k else 0 for k in policy.menu]
+    if policy.never_drafts(depths):
         plain = plain_generate(
             weights, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
             batch_size=batch_size, num_samples=num_samples,
         )  # fmt: skip
-        return as_plain_rounds(plain, adaptive.menu, max(depths))
+        return as_plain_rounds(plain, policy.menu, max(depths))
     req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
-    args = (weights, drafter, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed), req.sampling,
-            jnp.asarray(req.active), adaptive)  # fmt: skip
-    static = dict(cfg=cfg, num_draft_tokens=0 if adaptive else num_draft_tokens, max_new_tokens=max_new_tokens,
-                  eos_ids=req.eos, num_samples=num_samples)  # fmt: skip
-    compiled, compile_seconds = _compiled(speculative_decode, args, static)
+    args = (weights, drafter, policy, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
+            req.sampling, jnp.asarray(req.active))  # fmt: skip
+    static = dict(cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=req.eos, num_samples=num_samples)
+    executable, compile_seconds = compiled(speculative_decode, args, static)
     t0 = time.perf_counter()
-    result = compiled(*args)
-    out, num_new, rounds, hist, by_entry, seen = jax.device_get(
-        (result.out_bn, result.num_new_b, result.rounds, result.accepted_hist, result.menu_rounds, result.evidence)
+    result = executable(*args)
+    s = result.state
+    out, num_new, rounds, hist, by_entry = jax.device_get(
+        (result.out_bn, s.num_new_b, s.rounds, s.accepted_hist, s.menu_rounds)
     )
     seconds = time.perf_counter() - t0
     results = completions(req.row_prompts, out, num_new, req.eos)
     new_tokens = sum(len(c.output_ids) for c in results)
-    stats = SpecStats.from_histogram(int(rounds), hist, new_tokens, seconds)
-    menu = adaptive.menu if adaptive else (num_draft_tokens,)
     stats = dataclasses.replace(
-        stats,
-        rounds_by_drafts={k: int(r) for k, r in zip(menu, by_entry)},
-        acceptance_evidence=[(float(a), float(t)) for a, t in seen] if adaptive else [],
+        SpecStats.from_histogram(int(rounds), hist, new_tokens, seconds),
+        rounds_by_drafts={k: int(r) for k, r in zip(policy.menu, by_entry)},
+        acceptance_evidence=policy.evidence(s.policy_state),
         plain_steps=max((len(c.output_ids) for c in results), default=1) - 1,
     )
     return SpecResult(results, seconds, compile_seconds, stats)

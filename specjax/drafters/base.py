@@ -1,17 +1,17 @@
-"""The drafter protocol: every hook the speculative loop calls (`Drafter`), and their defaults (`BaseDrafter`).
+"""The drafter protocol: every hook the speculative loop calls (`Drafter`), and a base for chain drafters.
 
 A drafter is a pytree (its arrays are leaves, its options static), so it is passed into the loop's jit as an
-argument. On the host the loop calls `validate`; inside the jit it reads `tap_layers` and `draft_shape(K)` (static),
-calls `init` and `commit` once after the prefill, then, every round, `propose_tree` and, after the verification,
-`commit`. Everything inside the jit runs in fixed shapes.
+argument. On the host the loop calls `validate`; inside the jit it reads `traits` and `draft_shape(K)` (static),
+calls `init` and `commit` once after the prefill, then, every round, `regime`, `propose` and, after the verification, `commit`.
+Everything inside the jit runs in fixed shapes.
 
 The loop keeps every row's committed text in a token buffer `tokens_bs` (prompt, then generated tokens) with
 `length_b` committed tokens per row. The last committed token (`tokens_bs[b, length_b - 1]`) is "pending": the target
 has not run on it yet, and it is the root of the next round's draft.
 
-Every round drafts a tree (`specjax.drafters.tree.DraftTree`) of the static shape `draft_shape(K)`; a chain of K drafts is the
-tree with one child per node (`TreeSpec.chain(K)`). Chain drafters implement `propose` alone: `BaseDrafter`'s
-`propose_tree` turns its K drafts into that tree.
+Every round drafts a tree (`specjax.drafters.tree.DraftTree`) of the static shape `draft_shape(K)`; a chain of K
+drafts is the tree with one child per node (`TreeSpec.chain(K)`). Chain drafters subclass `ChainDrafter` and implement
+`propose_chain`; its `propose` turns their K drafts into that tree.
 
 The rows `commit` receives mean the same in every case, after the prefill and after every round. For batch row b,
 row j holds the target's taps at position c_b + j and the committed token at position c_b + j + 1, where c_b is the
@@ -24,7 +24,7 @@ drafts, then the correction or bonus token), cut at EOS and at max_new_tokens (n
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -34,38 +34,25 @@ from specjax.config import ModelConfig
 from specjax.drafters.tree import DraftTree, TreeSpec
 from specjax.sampling import Sampling, in_target_vocab, probabilities
 
-# Drafts shipped inside the package, by kind and name: those specjax trained for the embedded SmolLM2.
-SHIPPED_DRAFTS = {
-    (kind, "smollm2-135m"): Path(__file__).resolve().parent.parent / "heads" / f"smollm2-135m-{kind}"
-    for kind in ("eagle3", "dflash")
-}
 
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """What a drafter can do and needs, read by the loop and the tools before anything runs."""
 
-def draft_folder(kind: str, name_or_path: str) -> Path:
-    """The folder of a draft of `kind` ("eagle3" or "dflash"): a shipped one by its name, else the path given."""
-    return Path(SHIPPED_DRAFTS.get((kind, name_or_path), name_or_path))
+    tap_layers: tuple[int, ...] = ()  # target layers whose input residual stream the drafter reads (EAGLE-3, DFlash)
+    max_draft_tokens: int | None = None  # the most drafts one round can propose; None: no bound
+    plain_rounds: bool = True  # rounds without drafts may come between proposals (`commit` alone keeps it current)
+    regimes: int = 1  # kinds of round `regime` tells apart (adaptive drafting keeps an estimate per row and kind)
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Drafts each round's tokens, with the distribution each was drawn from."""
+    """Drafts each round's tree, with the distribution each draft was drawn from."""
 
-    tap_layers: tuple[int, ...]
-    """Static ids of the target layers whose input residual stream the loop returns from the prefill and every
-    verification forward (EAGLE-3); () for drafters that do not read the target's hidden states."""
-
-    max_draft_tokens: int | None
-    """The most drafts one round can propose (a DFlash block's K = Bs - 1); None: no bound."""
-
-    allows_plain_rounds: bool
-    """Whether rounds without drafts (plain decoding steps, `specjax.adaptive`) may come between proposals: true when
-    `commit` alone keeps the state current."""
-
-    num_regimes: int
-    """How many kinds of round `regime` tells apart; adaptive drafting keeps an acceptance estimate per row and kind."""
+    traits: Traits
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
-        """Raises InputError when this drafter cannot serve `target_cfg` (host side, before compiling)."""
+        """Raises InputError when this drafter cannot serve `target_cfg` with K drafts (host side, before compiling)."""
 
     def draft_shape(self, num_draft_tokens: int) -> TreeSpec:
         """The static shape of a round's draft when the caller asks for K drafts: a chain of K, or a tree drafter's own
@@ -86,38 +73,10 @@ class Drafter(Protocol):
         """
 
     def regime(self, state: Any, tokens_bs: jax.Array, length_b: jax.Array) -> jax.Array:
-        """int32 [B] in [0, num_regimes): the kind of draft each row would get next, from its committed text and the
-        drafter's state (inside the jit, before the round), e.g. whether prompt lookup finds a match. Adaptive
-        drafting chooses and learns with the estimate of that kind."""
+        """int32 [B] in [0, traits.regimes): the kind of draft each row would get next, from its committed text and
+        the drafter's state (inside the jit, before the round), e.g. whether prompt lookup finds a match."""
 
     def propose(
-        self,
-        state: Any,
-        tokens_bs: jax.Array,
-        length_b: jax.Array,
-        key: jax.Array,
-        *,
-        num_draft_tokens: int,
-        vocab_size: int,
-        sampling: Sampling,
-    ) -> tuple[jax.Array, jax.Array, Any]:
-        """Drafts the next K tokens of each row as a chain (inside the jit).
-
-        Args:
-          state: the drafter's state from `init`, `commit` or the previous proposal.
-          tokens_bs: int32 [B, S] committed tokens (slots >= length_b hold stale values).
-          length_b: int32 [B] committed tokens per row (>= 2: the prompt plus at least one generated token).
-          key: PRNG key for sampling the drafts.
-          num_draft_tokens: static K.
-          vocab_size: static V of the target (draft_probs must have it).
-          sampling: the rows' values, the same processing the target uses (`specjax.sampling.probabilities`);
-            `sampling.greedy` is static.
-        Returns:
-          (draft tokens int32 [B, K], draft_probs float32 [B, K, V] — the exact distribution each draft token was
-          drawn from, state).
-        """
-
-    def propose_tree(
         self,
         state: Any,
         tokens_bs: jax.Array,
@@ -130,18 +89,25 @@ class Drafter(Protocol):
     ) -> tuple[DraftTree, Any]:
         """Drafts the round's tree of `shape` (= `draft_shape(K)`), rooted at each row's pending token (inside the jit).
 
-        Args as `propose`, with `shape` in place of K. Returns (draft tree, state).
+        Args:
+          state: the drafter's state from `init`, `commit` or the previous proposal.
+          tokens_bs: int32 [B, S] committed tokens (slots >= length_b hold stale values).
+          length_b: int32 [B] committed tokens per row (>= 2: the prompt plus at least one generated token).
+          key: PRNG key for sampling the drafts.
+          shape: static.
+          vocab_size: static V of the target (draft distributions are over it, or name their columns' target ids).
+          sampling: the rows' values, the same processing the target uses (`specjax.sampling.probabilities`);
+            `sampling.greedy` is static.
+        Returns:
+          (draft tree, state).
         """
 
 
-class BaseDrafter:
-    """The defaults of `Drafter`'s hooks, for a drafter that implements `propose` (subclasses must): chains of K
-    drafts, no taps, nothing to check, no state, nothing to commit, one kind of round."""
+class ChainDrafter:
+    """A drafter that proposes chains: subclasses implement `propose_chain` and override the hooks they need. The
+    defaults: no taps, no bound, nothing to check, no state, nothing to commit, one kind of round."""
 
-    tap_layers: tuple[int, ...] = ()
-    max_draft_tokens: int | None = None
-    allows_plain_rounds: bool = True
-    num_regimes: int = 1
+    traits: Traits = Traits()
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         """Serves any target."""
@@ -162,13 +128,42 @@ class BaseDrafter:
         """Every round is of one kind."""
         return jnp.zeros(length_b.shape, jnp.int32)
 
-    def propose_tree(self, state, tokens_bs, length_b, key, *, shape: TreeSpec, vocab_size: int, sampling):
-        """The chain of `propose`'s K = shape.depth drafts, as a tree."""
-        draft_bk, draft_probs_bkv, state = self.propose(
+    def propose_chain(
+        self,
+        state: Any,
+        tokens_bs: jax.Array,
+        length_b: jax.Array,
+        key: jax.Array,
+        *,
+        num_draft_tokens: int,
+        vocab_size: int,
+        sampling: Sampling,
+    ) -> tuple[jax.Array, jax.Array, Any]:
+        """Drafts the next K tokens of each row (inside the jit); args as `Drafter.propose`, with K in place of the
+        shape.
+
+        Returns:
+          (draft tokens int32 [B, K], draft_probs float32 [B, K, V]: the exact distribution each draft token was
+          drawn from, state).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement propose_chain")
+
+    def propose(self, state, tokens_bs, length_b, key, *, shape: TreeSpec, vocab_size: int, sampling):
+        """The chain of `propose_chain`'s K = shape.depth drafts, as a tree."""
+        draft_bk, draft_probs_bkv, state = self.propose_chain(
             state, tokens_bs, length_b, key, num_draft_tokens=shape.depth, vocab_size=vocab_size, sampling=sampling
         )
-        pending_b = jnp.take_along_axis(tokens_bs, (length_b - 1)[:, None], axis=1)[:, 0]
-        return DraftTree.chain(pending_b, draft_bk, draft_probs_bkv), state
+        return DraftTree.chain(pending_tokens(tokens_bs, length_b), draft_bk, draft_probs_bkv), state
+
+
+def static_field(default=dataclasses.MISSING):
+    """A dataclass field that is static in the drafter's pytree (an option, not an array)."""
+    return dataclasses.field(default=default, metadata=dict(static=True))
+
+
+def pending_tokens(tokens_bs: jax.Array, length_b: jax.Array) -> jax.Array:
+    """int32 [B]: each row's pending token, its last committed one (the root of the next round's draft)."""
+    return jnp.take_along_axis(tokens_bs, (length_b - 1)[:, None], axis=1)[:, 0]
 
 
 def draw(

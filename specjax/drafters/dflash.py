@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.drafters.base import BaseDrafter, draft_folder, draw
+from specjax.drafters.base import ChainDrafter, Traits, draw, pending_tokens
 from specjax.errors import InputError
 from specjax.models.dflash import (
     DFlashConfig,
@@ -34,7 +34,7 @@ from specjax.models.llama import head_rows
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DFlashDrafter(BaseDrafter):
+class DFlashDrafter(ChainDrafter):
     """DFlash drafter (a pytree). `embed_vd` is the target's embedding [V, D]; `scored_vd` its LM head's rows of the
     draft's scored ids (`scored_head`), gathered once here rather than in every round."""
 
@@ -49,12 +49,8 @@ class DFlashDrafter(BaseDrafter):
         return cls(weights, target.embed, scored_head(weights, head_rows(target)), cfg)
 
     @property
-    def tap_layers(self) -> tuple[int, ...]:
-        return self.cfg.tap_layers
-
-    @property
-    def max_draft_tokens(self) -> int:
-        return self.cfg.max_drafts
+    def traits(self) -> Traits:
+        return Traits(tap_layers=self.cfg.tap_layers, max_draft_tokens=self.cfg.max_drafts)
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         self.cfg.check_target(target_cfg)
@@ -86,19 +82,16 @@ class DFlashDrafter(BaseDrafter):
         )  # fmt: skip
         return draft_logits(self.scored_vd, h)
 
-    def propose(self, cache: KVCache, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
+    def propose_chain(self, cache: KVCache, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
         """Rows 1..K of one block: the whole block runs whatever K is (its rows attend to each other)."""
-        pending_b = jnp.take_along_axis(tokens_bs, (length_b - 1)[:, None], axis=1)[:, 0]
-        logits_bkv = self.block_logits(cache, pending_b, num_draft_tokens)
+        logits_bkv = self.block_logits(cache, pending_tokens(tokens_bs, length_b), num_draft_tokens)
         tokens, probs = draw(key, logits_bkv, sampling, self.weights.vocab_ids, vocab_size)
         return tokens, probs, cache
 
 
 def load_dflash_drafter(path: str, target_cfg: ModelConfig, target_weights: Any) -> DFlashDrafter:
-    """Loads a DFlash draft folder (config.json + safetensors), or a shipped draft by name (e.g. "smollm2-135m"), for
-    this target. Raises CheckpointError / InputError."""
+    """Loads a DFlash draft folder (config.json + safetensors) for this target. Raises CheckpointError / InputError."""
     from specjax.io.dflash_checkpoint import load_dflash
 
-    folder = draft_folder("dflash", path)
-    cfg, weights = load_dflash(folder, target_cfg, dtype=target_weights.embed.dtype)  # checks it serves this target
+    cfg, weights = load_dflash(path, target_cfg, dtype=target_weights.embed.dtype)  # checks it serves this target
     return DFlashDrafter.for_target(weights, cfg, target_weights)

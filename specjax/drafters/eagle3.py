@@ -21,16 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.drafters.base import BaseDrafter, draft_folder, draw
+from specjax.drafters.base import ChainDrafter, Traits, draw, pending_tokens, static_field
 from specjax.drafters.tree import DraftTree, TreeSpec, grow_tree
 from specjax.errors import InputError
 from specjax.models.eagle3 import Eagle3Head
 from specjax.models.kv_cache import KVCache
 from specjax.sampling import Sampling
-
-
-def _static(default=dataclasses.MISSING):
-    return dataclasses.field(default=default, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -43,7 +39,7 @@ class Eagle3State:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter(BaseDrafter):
+class Eagle3Drafter(ChainDrafter):
     """EAGLE-3 drafter (a pytree: the head's `nnx.split` state are leaves, its graph definition is static).
 
     Args (via `Eagle3Drafter.create(head, target_embed, tree=None)`):
@@ -54,8 +50,8 @@ class Eagle3Drafter(BaseDrafter):
 
     params: Any  # nnx.State of the head
     target_embed: jax.Array | None
-    graphdef: Any = _static()
-    tree: TreeSpec | None = _static(None)
+    graphdef: Any = static_field()
+    tree: TreeSpec | None = static_field(None)
 
     @classmethod
     def create(cls, head: Eagle3Head, target_embed: jax.Array | None, tree: TreeSpec | None = None) -> Eagle3Drafter:
@@ -69,8 +65,8 @@ class Eagle3Drafter(BaseDrafter):
         return nnx.merge(self.graphdef, self.params)
 
     @property
-    def tap_layers(self) -> tuple[int, ...]:
-        return tuple(self.head_cfg.tap_layers)
+    def traits(self) -> Traits:
+        return Traits(tap_layers=tuple(self.head_cfg.tap_layers))
 
     @property
     def head_cfg(self):
@@ -141,7 +137,7 @@ class Eagle3Drafter(BaseDrafter):
         )  # fmt: skip
         return logits[:, 0], g[:, 0]
 
-    def propose(self, state: Eagle3State, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
+    def propose_chain(self, state: Eagle3State, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
         """Chain drafting: draft 1 from the stored logits, then K - 1 cached steps on the head's own output."""
         head = self.head
         keys = jax.random.split(key, num_draft_tokens)
@@ -155,26 +151,24 @@ class Eagle3Drafter(BaseDrafter):
             token, g, cache = carry
             i, k = xs
             embed = head.embed_tokens(token[:, None], self.target_embed)
-            cache = dataclasses.replace(cache, lengths=c + i)
+            cache = cache.at_lengths(c + i)
             logits, out, cache = head.step(embed, g[:, None], (c + i)[:, None], cache)
             nxt, probs = _draw(head, k, logits[:, 0], sampling)
             return (nxt, out[:, 0], cache), (nxt, probs)
 
         xs = (jnp.arange(num_draft_tokens - 1, dtype=jnp.int32), keys[1:])
         (_, _, cache), (rest_kb, rest_kbv) = jax.lax.scan(step, (token, g_bd, state.cache), xs)
-        cache = dataclasses.replace(cache, lengths=c)
+        cache = cache.at_lengths(c)
         tokens_bk = jnp.concatenate([token[:, None], rest_kb.T], axis=1)
         probs_bkv = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_kbv, 0, 1)], axis=1)
         return tokens_bk, probs_bkv, dataclasses.replace(state, cache=cache)
 
-    def propose_tree(self, state: Eagle3State, tokens_bs, length_b, key, *, shape: TreeSpec, vocab_size, sampling):
-        """Grows a draft tree (`specjax.drafters.tree`), or drafts a chain without one. Node t >= 1 writes its head KV at slot
-        c + t - 1 when expanded."""
+    def propose(self, state: Eagle3State, tokens_bs, length_b, key, *, shape: TreeSpec, vocab_size, sampling):
+        """Grows a draft tree (`specjax.drafters.tree`), or drafts a chain without one. Node t >= 1 writes its head KV
+        at slot c + t - 1 when expanded."""
         if self.tree is None:
-            return super().propose_tree(
-                state, tokens_bs, length_b, key, shape=shape, vocab_size=vocab_size, sampling=sampling
-            )
-        pending_b = jnp.take_along_axis(tokens_bs, (length_b - 1)[:, None], axis=1)[:, 0]
+            return super().propose(state, tokens_bs, length_b, key, shape=shape, vocab_size=vocab_size, sampling=sampling)
+        pending_b = pending_tokens(tokens_bs, length_b)
         head = self.head
         cfg = head.cfg
         M = shape.grown_nodes(sampling)
@@ -203,11 +197,7 @@ class Eagle3Drafter(BaseDrafter):
                 q, g, cache, k, v, cache_mask, jnp.broadcast_to(jnp.eye(f, dtype=bool), (B, f, f))
             )
             dst = jnp.where(ok_bf, c[:, None] + nodes_bf - 1, S)
-            cache = dataclasses.replace(
-                cache,
-                k=cache.k.at[0, rows, dst].set(k.astype(cache.k.dtype), mode="drop"),
-                v=cache.v.at[0, rows, dst].set(v.astype(cache.v.dtype), mode="drop"),
-            )
+            cache = cache.write_at(dst, k[None], v[None])
             node_out = node_out.at[rows, jnp.where(ok_bf, nodes_bf, M)].set(out.astype(node_out.dtype), mode="drop")
             return logits, (cache, node_out)
 
@@ -226,11 +216,10 @@ def _draw(head: Eagle3Head, key: jax.Array, logits_bv: jax.Array, sampling: Samp
 def load_eagle3_drafter(
     path: str, target_cfg: ModelConfig, target_embed: jax.Array, tree: TreeSpec | None = None
 ) -> Eagle3Drafter:
-    """Loads a published-format EAGLE-3 head folder (or a built-in head by name, e.g. "smollm2-135m") for this
-    target. Raises CheckpointError / InputError."""
+    """Loads a published-format EAGLE-3 head folder (config.json + safetensors) for this target. Raises CheckpointError / InputError."""
     from specjax.io.eagle3_checkpoint import load_eagle3
 
-    _, head = load_eagle3(draft_folder("eagle3", path), target_cfg, dtype=target_embed.dtype)
+    _, head = load_eagle3(path, target_cfg, dtype=target_embed.dtype)
     drafter = Eagle3Drafter.create(head, target_embed, tree)
     drafter.validate(target_cfg, 1)
     return drafter

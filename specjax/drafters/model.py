@@ -14,15 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.drafters.base import BaseDrafter, draw
+from specjax.drafters.base import ChainDrafter, Traits, draw, static_field
 from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.sampling import Sampling
-
-
-def _static(default=dataclasses.MISSING):
-    return dataclasses.field(default=default, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -44,7 +40,7 @@ def _draft_chain(
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """K autoregressive draft steps after re-running the last two committed tokens. Returns (tokens, probs, cache)."""
     B = tokens_bs.shape[0]
-    cache = dataclasses.replace(cache, lengths=length_b - 2)
+    cache = cache.at_lengths(length_b - 2)
     slots_b2 = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
     last_two = jnp.take_along_axis(tokens_bs, slots_b2, axis=1)
     logits, _, cache = forward(weights, cfg, last_two, slots_b2, cache, logits_at=jnp.ones((B, 1), jnp.int32))
@@ -77,15 +73,15 @@ def _prefill(weights: Weights, cfg: ModelConfig, tokens_bp: jax.Array, num_slots
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter(BaseDrafter):
+class ModelDrafter(ChainDrafter):
     """A separate draft model (any supported checkpoint whose vocabulary size equals the target's).
 
     Its cache learns the committed text when it proposes (it re-runs the last two committed tokens), not in
     `commit`, so it cannot follow more than two plain decoding steps in a row: no plain rounds."""
 
     weights: Weights
-    cfg: ModelConfig = _static()
-    allows_plain_rounds = False
+    cfg: ModelConfig = static_field()
+    traits = Traits(plain_rounds=False)
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         if self.cfg.vocab_size != target_cfg.vocab_size:
@@ -97,7 +93,7 @@ class ModelDrafter(BaseDrafter):
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> ModelDraftState:
         return ModelDraftState(_prefill(self.weights, self.cfg, tokens_bp, num_slots))
 
-    def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
+    def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `Drafter.propose`."""
         tokens, probs, cache = _draft_chain(
             self.weights, self.cfg, state.cache, tokens_bs, length_b, key, num_draft_tokens, sampling
@@ -107,7 +103,7 @@ class ModelDrafter(BaseDrafter):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class LayerSkipDrafter(BaseDrafter):
+class LayerSkipDrafter(ChainDrafter):
     """Self-drafting: the target's first `num_layers` layers, then its final norm and LM head.
 
     `weights` are the target's own arrays (no copy is made outside the jit); inside it the first N layers are
@@ -115,9 +111,9 @@ class LayerSkipDrafter(BaseDrafter):
     """
 
     weights: Weights
-    cfg: ModelConfig = _static()  # the target's config
-    num_layers: int = _static(1)
-    allows_plain_rounds = False  # as ModelDrafter
+    cfg: ModelConfig = static_field()  # the target's config
+    num_layers: int = static_field(1)
+    traits = Traits(plain_rounds=False)  # as ModelDrafter
 
     def __post_init__(self):
         if not 1 <= self.num_layers <= self.cfg.num_layers - 1:
@@ -144,7 +140,7 @@ class LayerSkipDrafter(BaseDrafter):
         weights = dataclasses.replace(self.weights, layers=jax.tree.map(lambda a: a[:n], self.weights.layers))
         return ModelDraftState(_prefill(weights, self.draft_cfg, tokens_bp, num_slots), weights)
 
-    def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
+    def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `Drafter.propose`."""
         tokens, probs, cache = _draft_chain(
             state.weights, self.draft_cfg, state.cache, tokens_bs, length_b, key, num_draft_tokens, sampling

@@ -13,15 +13,16 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.defaults import DEFAULT_NGRAM
-from specjax.drafters.base import BaseDrafter, Drafter
+from specjax.drafters.base import ChainDrafter, Drafter, Traits
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
+
+DEFAULT_NGRAM = 3  # the longest tail prompt lookup matches, and the tail lookup-first drafting needs to recur
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NgramDrafter(BaseDrafter):
+class NgramDrafter(ChainDrafter):
     """Matches the last `max_n` tokens (falling back to shorter tails down to `min_n`) in prompt + generated text.
 
     Among the earlier occurrences of the longest matching tail, the most recent one wins, and the K tokens that
@@ -38,15 +39,15 @@ class NgramDrafter(BaseDrafter):
             raise InputError(f"n-gram sizes must satisfy 1 <= min_n <= n, got n={self.max_n}, min_n={self.min_n}")
 
     @property
-    def num_regimes(self) -> int:
-        return self.max_n + 1
+    def traits(self) -> Traits:
+        return Traits(regimes=self.max_n + 1)
 
     def regime(self, state, tokens_bs, length_b):
         """The length of the tail the next proposal would match (0: none)."""
         return ngram_lookup(tokens_bs, length_b, 1, self.max_n, self.min_n)[1]
 
-    def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
-        """See `Drafter.propose`; `key` and `sampling` are unused (the proposal is deterministic)."""
+    def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
+        """See `ChainDrafter.propose_chain`; `key` and `sampling` are unused (the proposal is deterministic)."""
         draft_bk = ngram_proposal(tokens_bs, length_b, num_draft_tokens, self.max_n, self.min_n)
         return draft_bk, jax.nn.one_hot(draft_bk, vocab_size, dtype=jnp.float32), state
 
@@ -94,7 +95,7 @@ def ngram_lookup(
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class LookupFirstDrafter(BaseDrafter):
+class LookupFirstDrafter(ChainDrafter):
     """Prompt lookup where the text repeats, another chain drafter elsewhere (e.g. EAGLE-3 on code that restates
     its prompt).
 
@@ -114,7 +115,6 @@ class LookupFirstDrafter(BaseDrafter):
     fallback: Drafter
     n: int = dataclasses.field(default=DEFAULT_NGRAM, metadata=dict(static=True))
     fallback_tokens: int | None = dataclasses.field(default=None, metadata=dict(static=True))
-    num_regimes = 2  # a class attribute, not a field
 
     def __post_init__(self):
         if self.n < 1:
@@ -125,17 +125,11 @@ class LookupFirstDrafter(BaseDrafter):
             raise InputError("lookup-first drafting drafts chains; its fallback cannot draft a tree")
 
     @property
-    def tap_layers(self) -> tuple[int, ...]:
-        return self.fallback.tap_layers
-
-    @property
-    def allows_plain_rounds(self) -> bool:
-        return self.fallback.allows_plain_rounds
-
-    @property
-    def max_draft_tokens(self) -> int | None:
-        """The fallback's bound where it drafts K; none where it drafts its own fixed count."""
-        return self.fallback.max_draft_tokens if self.fallback_tokens is None else None
+    def traits(self) -> Traits:
+        """The fallback's taps and plain rounds; its bound where it drafts K, none where it drafts its own count."""
+        fallback = self.fallback.traits
+        bound = fallback.max_draft_tokens if self.fallback_tokens is None else None
+        return Traits(fallback.tap_layers, bound, fallback.plain_rounds, regimes=2)
 
     def validate(self, target_cfg: ModelConfig, num_draft_tokens: int) -> None:
         self.fallback.validate(target_cfg, min(self.fallback_tokens or num_draft_tokens, num_draft_tokens))
@@ -149,8 +143,8 @@ class LookupFirstDrafter(BaseDrafter):
     def commit(self, state: Any, next_tokens_bt, taps_btf, count_b) -> Any:
         return self.fallback.commit(state, next_tokens_bt, taps_btf, count_b)
 
-    def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
-        """See `Drafter.propose`."""
+    def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
+        """See `ChainDrafter.propose_chain`."""
         lookup_bk, matched_b = ngram_lookup(tokens_bs, length_b, num_draft_tokens, self.n, self.n)
         lookup_bkv = jax.nn.one_hot(lookup_bk, vocab_size, dtype=jnp.float32)
         use_lookup = matched_b >= self.n
@@ -158,7 +152,7 @@ class LookupFirstDrafter(BaseDrafter):
         k = min(self.fallback_tokens or num_draft_tokens, num_draft_tokens)
 
         def fallback(state):
-            draft_bk, probs_bkv, state = self.fallback.propose(
+            draft_bk, probs_bkv, state = self.fallback.propose_chain(
                 state, tokens_bs, length_b, key, num_draft_tokens=k, vocab_size=vocab_size, sampling=sampling
             )
             repeat_bk = jnp.repeat(draft_bk[:, -1:], num_draft_tokens - k, axis=1)

@@ -33,9 +33,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.defaults import MAX_DRAFT_TOKENS, MAX_TREE_NODES, MAX_TREE_TOPK
 from specjax.errors import InputError
 from specjax.sampling import Sampling, probabilities, process_logits
+
+MAX_DRAFT_TOKENS = 32  # the deepest draft a round verifies: a chain's K, a tree's depth
+MAX_TREE_NODES = 64  # a tree's budget (root included): one verification forward over this many tokens
+MAX_TREE_TOPK = 16  # children per expanded tree node
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,11 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: str
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a turn: the config's EOS ids and the tokenizer's, in order."""
+        return tuple(sorted(set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+
 
 def embedded_gguf(name: str) -> Path:
     """The GGUF file of a built-in model name.

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.extend import core as jax_core
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding.autoregressive import prompt_bucket
+from specjax.decoding.batch import prompt_bucket
 from specjax.drafters.base import Drafter
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
@@ -121,7 +121,7 @@ def memory_plan(
     slots = P + max_new_tokens + capacity
     size = jnp.dtype(dtype).itemsize
     kv = 2 * batch * slots * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
-    taps = len(drafter.tap_layers) if drafter is not None else 0
+    taps = len(drafter.traits.tap_layers) if drafter is not None else 0
     activations = forward_activations(cfg, dtype, batch, P, slots, 1, taps)
     drafter_bytes = 0
     if drafter is not None:
@@ -145,11 +145,11 @@ def _drafter_state_and_work(
     tokens = jax.ShapeDtypeStruct((B, prompt), jnp.int32)
     lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
     state = jax.eval_shape(functools.partial(drafter.init, num_slots=slots), tokens, lengths)
-    taps = jax.ShapeDtypeStruct((B, prompt, len(drafter.tap_layers) * cfg.hidden_size), dtype)
-    commit = jax.make_jaxpr(drafter.commit)(state, tokens, taps if drafter.tap_layers else None, lengths)
+    taps = jax.ShapeDtypeStruct((B, prompt, len(drafter.traits.tap_layers) * cfg.hidden_size), dtype)
+    commit = jax.make_jaxpr(drafter.commit)(state, tokens, taps if drafter.traits.tap_layers else None, lengths)
     propose = jax.make_jaxpr(
         functools.partial(
-            drafter.propose_tree, shape=shape, vocab_size=cfg.vocab_size, sampling=Sampling.of(SamplingConfig(), B)
+            drafter.propose, shape=shape, vocab_size=cfg.vocab_size, sampling=Sampling.of(SamplingConfig(), B)
         )
     )(state, jax.ShapeDtypeStruct((B, slots), jnp.int32), lengths, jax.random.key(0))
     return state, max(_largest_value(commit.jaxpr), _largest_value(propose.jaxpr))

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from specjax.adaptive import Adaptive
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding.autoregressive import _compiled, decode, prefill, prompt_bucket
+from specjax.decoding.autoregressive import decode, prefill
+from specjax.decoding.batch import compiled, prompt_bucket
 from specjax.decoding.speculative import speculative_decode
 from specjax.drafters.base import Drafter
 from specjax.drafters.tree import TreeSpec
@@ -75,10 +76,8 @@ def forward_timers(
     """One call per T in `token_counts`: the target forward over T tokens per row (see `forward_seconds`). It only
     reads the cache, as a round of the speculative loop does (`forward_new_kv`): a call that returned the cache
     written would copy all of it (~77 MB at batch 8 on SmolLM2), and time the copy."""
-    cache = dataclasses.replace(
-        KVCache.empty(cfg, batch, context + max(token_counts), weights.embed.dtype),
-        lengths=jnp.full((batch,), context, jnp.int32),
-    )
+    cache = KVCache.empty(cfg, batch, context + max(token_counts), weights.embed.dtype)
+    cache = cache.at_lengths(jnp.full((batch,), context, jnp.int32))
     run = jax.jit(forward_new_kv, static_argnums=1)
 
     def timer(t: int) -> Callable[[], Any]:
@@ -136,7 +135,7 @@ def drafter_timer(
     slots = context + shape.capacity
     tokens = jax.random.randint(jax.random.key(0), (batch, slots), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((batch,), context, jnp.int32)
-    taps = len(drafter.tap_layers) * cfg.hidden_size
+    taps = len(drafter.traits.tap_layers) * cfg.hidden_size
     state = drafter.init(tokens[:, :context], lengths, slots)
     state = drafter.commit(state, tokens[:, 1 : context + 1], jnp.ones((batch, context, taps)), lengths)
     path = shape.depth + 1
@@ -145,7 +144,7 @@ def drafter_timer(
     @jax.jit
     def one_round(drafter, state, key):
         state = drafter.commit(state, tokens[:, :path], jnp.ones((batch, path, taps)), jnp.full((batch,), path - 1))
-        return drafter.propose_tree(
+        return drafter.propose(
             state, tokens, lengths + 1, key, shape=shape, vocab_size=cfg.vocab_size, sampling=rows
         )
 
@@ -178,17 +177,16 @@ def loop_seconds(
     lengths, key, rows = jnp.full((batch,), prompt, jnp.int32), jax.random.key(0), Sampling.of(sampling, batch)
     static = dict(cfg=cfg, max_new_tokens=new_tokens, eos_ids=())
     ar_args = (weights, tokens, lengths, key, rows)
-    ar = _compiled(decode, ar_args, static)[0]
-    spec_args = [
-        (weights, drafter, *ar_args[1:], None, Adaptive.forcing(menu, e, drafter.num_regimes)) for e in range(len(menu))
-    ]
-    loop = _compiled(speculative_decode, spec_args[0], dict(static, num_draft_tokens=0))[0]
+    ar = compiled(decode, ar_args, static)[0]
+    regimes = drafter.traits.regimes
+    spec_args = [(weights, drafter, Adaptive.forcing(menu, e, regimes), *ar_args[1:]) for e in range(len(menu))]
+    loop = compiled(speculative_decode, spec_args[0], static)[0]
     capacity = max((drafter.draft_shape(k) if k else TreeSpec.chain(0)).capacity for k in menu)
     slots = tokens.shape[1] + new_tokens + capacity
 
     timed = [prefill_timer(weights, cfg, tokens, slots, lengths), lambda: ar(*ar_args)]
     timed += [lambda args=args: loop(*args) for args in spec_args]
-    rounds = [int(run().rounds) for run in timed[2:]]  # the runs' warm-up
+    rounds = [int(run().state.rounds) for run in timed[2:]]  # the runs' warm-up
     jax.block_until_ready([run() for run in timed[:2]])
     prefill_s, ar_s, *loop_s = interleaved_medians(timed, reps, warm_up=False)
     # On a tiny model the prefill is a sliver of a run; the floor only keeps timing noise from making it the whole.

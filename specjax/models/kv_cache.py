@@ -28,12 +28,20 @@ class KVCache:
 
     def write(self, k_new: jax.Array, v_new: jax.Array) -> KVCache:
         """Writes [L, B, T, K, H] new keys/values to slots lengths + arange(T); slots past the end are dropped."""
-        B, T = k_new.shape[1:3]
-        slots_bt = self.lengths[:, None] + jnp.arange(T)[None, :]
-        rows = jnp.arange(B)[:, None]
+        T = k_new.shape[2]
+        return self.write_at(self.lengths[:, None] + jnp.arange(T)[None, :], k_new, v_new)
+
+    def write_at(self, slots_bt: jax.Array, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+        """Writes [L, B, T, K, H] new keys/values to the given slots [B, T] of each row; slots past the end (>=
+        num_slots) are dropped. Lengths do not move."""
+        rows = jnp.arange(k_new.shape[1])[:, None]
         k = self.k.at[:, rows, slots_bt].set(k_new.astype(self.k.dtype), mode="drop")
         v = self.v.at[:, rows, slots_bt].set(v_new.astype(self.v.dtype), mode="drop")
         return dataclasses.replace(self, k=k, v=v)
+
+    def at_lengths(self, lengths_b: jax.Array) -> KVCache:
+        """The same buffers with `lengths_b` committed slots per row: moving lengths back is rolling back."""
+        return dataclasses.replace(self, lengths=jnp.asarray(lengths_b, jnp.int32))
 
     def repeat_rows(self, copies: int) -> KVCache:
         """Each row `copies` times, the copies adjacent: [B] rows -> [B * copies]."""

@@ -1,6 +1,8 @@
-"""The training config schema: frozen dataclasses, read from YAML with `section.key=value` overrides.
+"""The training config schema: frozen dataclasses, read from YAML with `section.key=value` overrides, and the
+trainer's fixed settings.
 
-Unknown keys and values of the wrong type are errors that list what is valid.
+Unknown keys, values of the wrong type or out of range, and a draft kind without its required keys are errors that
+say what is valid.
 """
 
 from __future__ import annotations
@@ -17,11 +19,22 @@ import yaml
 
 from specjax.errors import InputError
 
+# model.drafter's values (the kinds of train/kinds.py), each with the keys a run of that kind must set.
+DRAFTERS = {
+    "eagle3": {},
+    "dflash": {"dflash.mask_token_id": "a token id the target never writes (an unused special token)"},
+}
+
+# The evaluate stage's drafting with an EAGLE-3 head: a chain of EVAL_DRAFT_TOKENS drafts, and the tree EVAL_TREE
+# ("depth,topk,budget", `specjax.drafters.tree.TreeSpec.parse`).
+EVAL_DRAFT_TOKENS = 5
+EVAL_TREE = "5,4,24"
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     target: str = "smollm2-135m"  # built-in name, .gguf file or HF folder
-    drafter: str = "eagle3"  # what to train: "eagle3" (a head, exported as LlamaForCausalLMEagle3) or "dflash"
+    drafter: str = "eagle3"  # what to train: a kind of DRAFTERS (an EAGLE-3 head, or a DFlash draft)
     # Target layers whose *input* residual stream feeds the draft. None: (2, N//2, N-3), the EAGLE-3 default; for
     # DFlash, one layer per draft layer spread over the target (docs/dflash.md), i.e. its target_layer_ids + 1.
     tap_layers: tuple[int, ...] | None = None
@@ -33,7 +46,7 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class DFlashSection:
-    """The DFlash draft and its loss (docs/dflash.md); read when model.drafter is "dflash"."""
+    """The DFlash draft and its loss (docs/dflash.md); read when model.drafter names DFlash."""
 
     block_size: int = 8  # Bs: the anchor and Bs - 1 mask tokens, so at most Bs - 1 drafts a round
     num_layers: int = 1  # draft decoder layers (shaped like the target's)
@@ -97,8 +110,9 @@ class TrainingSection:
     # When set, steps = ceil(epochs x packed rows / batch_size): runs on nested subsets of the data keep the same
     # steps per token (the scaling curve).
     epochs: float | None = None
-    # An exported EAGLE-3 head (a folder of config.json + safetensors, or a shipped head's name: smollm2-135m) whose
-    # weights and draft vocabulary the run starts from instead of random ones; the optimiser starts afresh.
+    # An exported draft of the run's kind (a folder of config.json + safetensors, or a shipped draft's name:
+    # smollm2-135m) whose weights and draft vocabulary the run starts from instead of random ones; the optimiser
+    # starts afresh.
     init_from: str | None = None
     # Train on this fraction of the packed rows, a seeded subset nested in every larger fraction (the scaling curve).
     data_fraction: float = 1.0
@@ -121,7 +135,8 @@ class TrainingSection:
 
 @dataclasses.dataclass(frozen=True)
 class EvaluationSection:
-    """The evaluate stage: greedy chain and tree decoding with the trained head on each set."""
+    """The evaluate stage: greedy speculative decoding with the trained draft on each set (an EAGLE-3 head: chain
+    and tree; a DFlash draft: its whole block)."""
 
     sets: tuple[str, ...] = ("heldout",)  # from: heldout (data.eval_prompts), chat (specjax's chat set), humaneval
     num_prompts: int | None = None  # the first N prompts of each set; None: all
@@ -134,6 +149,11 @@ class MeshSection:
     data: int = -1  # -1: all remaining devices
     fsdp: int = 1
     tensor: int = 1
+
+    @property
+    def axes(self) -> dict[str, int]:
+        """The mesh's axis sizes, as `specjax.sharding.make_mesh` takes them."""
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,12 +202,11 @@ class TrainConfig:
         unknown_sets = sorted(set(self.evaluation.sets) - {"heldout", "chat", "humaneval"})
         if unknown_sets or not self.evaluation.sets:
             raise InputError(f"evaluation.sets must name some of heldout, chat, humaneval; got {self.evaluation.sets}")
-        if self.model.drafter not in ("eagle3", "dflash"):
-            raise InputError(f"model.drafter must be 'eagle3' or 'dflash', got {self.model.drafter!r}")
-        if self.model.drafter == "dflash" and self.dflash.mask_token_id is None:
-            raise InputError(
-                "dflash.mask_token_id is required: a token id the target never writes (an unused special token)"
-            )
+        if self.model.drafter not in DRAFTERS:
+            raise InputError(f"model.drafter must be {' or '.join(map(repr, DRAFTERS))}, got {self.model.drafter!r}")
+        for key, what in DRAFTERS[self.model.drafter].items():
+            if self.get(key) is None:
+                raise InputError(f"{key} is required: {what}")
         if self.training.features not in ("stored", "online"):
             raise InputError(f"training.features must be 'stored' or 'online', got {self.training.features!r}")
 
@@ -201,6 +220,11 @@ class TrainConfig:
     @property
     def output_path(self) -> Path:
         return Path(self.output_dir)
+
+    @property
+    def evaluation_max_new_tokens(self) -> int:
+        """The evaluate stage's response length: evaluation.max_new_tokens, else data.max_new_tokens."""
+        return self.evaluation.max_new_tokens or self.data.max_new_tokens
 
 
 # Every numeric key and its range (None is allowed where the key is optional). NaN fails every rule.

@@ -142,7 +142,7 @@ def respond(
       progress: called with the number of conversations whose first reply is written, batch by batch.
     """
     tok = model.tokenizer
-    eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(tok.eos_token_ids)))
+    eos = model.eos_ids
 
     def target_reply(prompts, sampling, seed):
         out = generate(model.weights, model.cfg, prompts, max_new_tokens=data.max_new_tokens, sampling=sampling,

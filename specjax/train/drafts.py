@@ -52,20 +52,15 @@ class Eagle3Training:
 
 
 class DFlashTraining:
-    """A DFlash draft under the block loss (train/dflash_loss.py); `export` gives (config, weights)."""
+    """A DFlash draft under the block loss (train/dflash_loss.py); `export` gives (config, weights), the draft
+    vocabulary in `weights.vocab_ids` as it came in."""
 
     def __init__(
-        self,
-        cfg: DFlashConfig,
-        params: DFlashWeights,
-        vocab_ids: np.ndarray | None,
-        target_cfg: ModelConfig,
-        section: DFlashSection,
-        seed: int,
+        self, cfg: DFlashConfig, weights: DFlashWeights, target_cfg: ModelConfig, section: DFlashSection, seed: int
     ):
         self.cfg, self.target_cfg, self.section, self.seed = cfg, target_cfg, section, seed
-        self.params = dataclasses.replace(params, vocab_ids=None)  # the draft vocabulary is data, not a weight
-        self.vocab_ids = None if vocab_ids is None else np.asarray(vocab_ids, np.int32)
+        self.params = dataclasses.replace(weights, vocab_ids=None)  # the draft vocabulary is data, not a weight
+        self.vocab_ids = None if weights.vocab_ids is None else np.asarray(weights.vocab_ids, np.int32)
         index = np.arange(target_cfg.vocab_size, dtype=np.int32)
         if self.vocab_ids is not None:
             index = np.full(target_cfg.vocab_size, -1, np.int32)

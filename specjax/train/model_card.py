@@ -1,4 +1,7 @@
-"""The README.md written next to an exported head: how it was trained and how well it drafts."""
+"""The README.md written next to an exported draft: what it is, how it was trained and how well it drafts.
+
+The lines that differ between kinds of draft come from the run's `DraftKind` (train/kinds.py); the rest is shared.
+"""
 
 from __future__ import annotations
 
@@ -8,63 +11,12 @@ from pathlib import Path
 import yaml
 
 from specjax.train.config import TrainConfig, config_to_dict
+from specjax.train.kinds import draft_kind
 
 
 def _last_metrics(path: Path, lines: int = 5) -> list[dict]:
     """The last metric records (one batch each is noisy: the card averages a few)."""
     return [json.loads(line) for line in path.read_text().splitlines()[-lines:]] if path.exists() else []
-
-
-def _draft_lines(cfg: TrainConfig, draft_cfg, coverage: float | None) -> list[str]:
-    """Title, layout and shape of the exported draft."""
-    covers = f" (covers {coverage:.2%} of the tokens the target wrote)" if coverage is not None else ""
-    taps = (
-        f"- taps: the residual stream entering target layers {list(draft_cfg.tap_layers)} "
-        f"(outputs of layers {[t - 1 for t in draft_cfg.tap_layers]})"
-    )
-    if cfg.model.drafter == "dflash":
-        d, stack = draft_cfg, draft_cfg.layers
-        return [
-            f"# DFlash draft for `{cfg.model.target}`",
-            "",
-            "Trained with specjax (`specjax-train`). Layout: the published DFlash draft (config.json with",
-            "`dflash_config` + model.safetensors with `fc`, `hidden_norm`, `layers.*`, `norm`), plus specjax's",
-            "`vocab_ids` (the draft vocabulary) when it scores fewer tokens than the target's.",
-            "",
-            "## Draft",
-            f"- {stack.num_layers} decoder layer(s), hidden {stack.hidden_size}, {stack.num_heads} heads / "
-            f"{stack.num_kv_heads} KV heads, MLP {stack.intermediate_size}; block size {d.block_size} (up to "
-            f"{d.max_drafts} drafts a round), mask token {d.mask_token_id}",
-            f"- draft vocabulary {cfg.model.draft_vocab_size} of {stack.vocab_size}{covers}",
-            taps,
-            "- the token embedding and LM head are the target's (not stored)",
-            "",
-        ]
-    return [
-        f"# EAGLE-3 draft head for `{cfg.model.target}`",
-        "",
-        "Trained with specjax (`specjax-train`). Layout: `LlamaForCausalLMEagle3` (config.json + model.safetensors",
-        "with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), readable by vLLM, SGLang and the EAGLE repository.",
-        "",
-        "## Head",
-        f"- hidden {draft_cfg.hidden_size}, {draft_cfg.num_heads} heads / {draft_cfg.num_kv_heads} KV heads, MLP "
-        f"{draft_cfg.intermediate_size}, draft vocabulary {draft_cfg.draft_vocab_size} of {draft_cfg.vocab_size}"
-        + covers,
-        taps,
-        "- the token embedding is the target's (not stored)",
-        "",
-    ]
-
-
-def _objective(cfg: TrainConfig) -> str:
-    t = cfg.training
-    if cfg.model.drafter == "dflash":
-        d = cfg.dflash
-        return (
-            f"block loss over {d.num_anchors} random anchors per row (position weights exp(-(k-1)/{d.loss_decay:g})), "
-            "labels the target's own tokens"
-        )
-    return f"training-time test over {t.ttt_length} steps (loss weights {t.step_decay}^k)"
 
 
 def _starting_head(card: str | None) -> list[str]:
@@ -91,9 +43,14 @@ def model_card(
     last = _last_metrics(cfg.output_path / "train" / "metrics.jsonl")
     acc = ", ".join(f"{sum(a) / len(a):.3f}" for a in zip(*(m["acc_k"] for m in last))) if last else "n/a"
     steps = last[-1]["step"] if last else 0
-    dflash = cfg.model.drafter == "dflash"
+    kind = draft_kind(cfg)
+    covers = f" (covers {coverage:.2%} of the tokens the target wrote)" if coverage is not None else ""
+    taps = (
+        f"- taps: the residual stream entering target layers {list(draft_cfg.tap_layers)} "
+        f"(outputs of layers {[t - 1 for t in draft_cfg.tap_layers]})"
+    )
     lines = [
-        *_draft_lines(cfg, draft_cfg, coverage),
+        *kind.card_draft(cfg, draft_cfg, covers, taps),
         "## Data",
         f"- prompt sources: {', '.join(f'`{p}`' for p in cfg.data.prompt_sources)}; "
         f"{manifest.get('conversations', '?')} training conversations, {cfg.data.eval_prompts} held out, "
@@ -120,23 +77,16 @@ def model_card(
             [
                 f"- plus {manifest['source_samples']} blocks of the Python {manifest.get('python', '')} standard "
                 f"library's source ({manifest['source_tokens']} tokens) as assistant answers, "
-                + ("their own tokens the labels" if dflash else "labelled by the target")
+                + kind.card_source_labels
             ]
             if manifest.get("source_samples")
             else []
         ),
-        *(
-            []
-            if dflash
-            else [
-                "- the loss mask is shifted together with the labels (a row counts when the token it predicts is",
-                "  assistant content); the EAGLE and SpecForge trainers leave it unshifted",
-            ]
-        ),
+        *kind.card_notes,
         "",
         "## Training",
         f"- {steps} steps of {cfg.training.batch_size} packed rows x {cfg.training.seq_len} tokens, "
-        f"{_objective(cfg)}, target features {cfg.training.features}",
+        f"{kind.card_objective(cfg)}, target features {cfg.training.features}",
         f"- final accuracy per draft position (agreement with the target's token on assistant rows, mean of the last "
         f"{len(last)} logged steps): {acc}",
         *(

@@ -6,7 +6,9 @@ vocab      -> vocab.npz  the draft vocabulary (d2t / t2d) from the frequencies o
 features   -> features/  the packed training rows with the target's features (skipped when training.features=online)
 train      -> train/     orbax checkpoints + metrics.jsonl
 evaluate   -> eval.json  mean accepted length on held-out prompts, by real speculative decoding
-export     -> export/    a LlamaForCausalLMEagle3 folder (config.json + model.safetensors + README.md)
+export     -> export/    the draft's folder (config.json + model.safetensors + README.md)
+
+What differs between the kinds of draft (`model.drafter`) comes from the run's `DraftKind` (train/kinds.py).
 """
 
 from __future__ import annotations
@@ -25,31 +27,22 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
 from specjax.decoding import speculative
-from specjax.defaults import EVAL_DRAFT_TOKENS, EVAL_TREE
-from specjax.drafters import DFlashDrafter, Eagle3Drafter
-from specjax.drafters.base import draft_folder
-from specjax.drafters.tree import TreeSpec
+from specjax.decoding.stats import acceptance
+from specjax.drafters.registry import draft_folder
 from specjax.errors import InputError, SpecjaxError
 from specjax.evalsets import chat_prompts, humaneval_prompts
-from specjax.io.dflash_checkpoint import load_dflash, save_dflash
-from specjax.io.eagle3_checkpoint import load_eagle3, save_eagle3
 from specjax.io.jsonl import read_prompts_file
 from specjax.io.loading import LoadedModel, load_model
-from specjax.models.dflash import DFlashConfig, init_dflash
-from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.sharding import make_mesh
 from specjax.train.batches import BatchSource, nested_subset, pack
 from specjax.train.config import TrainConfig, config_to_dict
 from specjax.train.conversations import read_conversations
 from specjax.train.data import load_prompts, load_samples, reference_responses, regenerate
-from specjax.train.drafts import DFlashTraining, Eagle3Training
 from specjax.train.features import compute_features, feature_layers, load_features
+from specjax.train.kinds import DRAFT_KINDS, draft_kind
 from specjax.train.model_card import model_card
 from specjax.train.synthesize import synthesize
 from specjax.train.trainer import Trainer, checkpoint_manager, restore_latest, train
@@ -60,13 +53,13 @@ STAGES = ("synthesize", "regenerate", "vocab", "features", "train", "evaluate", 
 # The training sections bind only once the train stage has started.
 _DATA_SECTIONS = ("model", "data")
 # Training settings a resumed run may change: its length, the optimiser's schedule and clipping (the optimiser's
-# state carries over) and where the stored features are read. Everything else in `training`, `mesh` and `dflash`
-# shapes the state or the data order.
+# state carries over) and where the stored features are read. Everything else in `training`, `mesh` and the
+# kinds' own sections shapes the state or the data order.
 RESUMABLE_TRAINING_KEYS = (
     "steps", "stop_after", "epochs", "learning_rate", "warmup_steps", "final_lr_ratio", "grad_clip", "weight_decay",
     "features_dir",
 )  # fmt: skip
-_TRAIN_SECTIONS = ("training", "mesh", "dflash")
+_TRAIN_SECTIONS = ("training", "mesh", *(kind.section for kind in DRAFT_KINDS.values() if kind.section))
 
 
 def maybe_initialize_distributed(cfg: TrainConfig) -> None:
@@ -112,64 +105,26 @@ def record_config(cfg: TrainConfig) -> None:
     path.write_text(text)
 
 
-def dflash_config(cfg: TrainConfig, model: LoadedModel) -> DFlashConfig:
-    d = cfg.dflash
-    ids = None if cfg.model.tap_layers is None else tuple(t - 1 for t in cfg.model.tap_layers)
-    draft = DFlashConfig.default_for(
-        model.cfg, d.mask_token_id, num_layers=d.num_layers, block_size=d.block_size, target_layer_ids=ids
-    )
-    draft.check_target(model.cfg)
-    return draft
-
-
-def draft_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config | DFlashConfig:
-    """The shape of the draft the run trains, checked against the target."""
-    return dflash_config(cfg, model) if cfg.model.drafter == "dflash" else head_config(cfg, model)
-
-
-def head_config(cfg: TrainConfig, model: LoadedModel) -> Eagle3Config:
-    base = Eagle3Config.default_for(model.cfg, cfg.model.draft_vocab_size)
-    overrides = {"norm_output": cfg.model.norm_output, "norm_before_residual": cfg.model.norm_before_residual}
-    if cfg.model.tap_layers is not None:
-        overrides["tap_layers"] = cfg.model.tap_layers
-    if cfg.model.intermediate_size is not None:
-        overrides["intermediate_size"] = cfg.model.intermediate_size
-    return dataclasses.replace(base, **overrides)
-
-
-# What a `training.init_from` draft must share with the draft the config describes.
-SHAPE_FIELDS = {
-    "eagle3": ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "draft_vocab_size",
-               "tap_layers", "norm_output", "norm_before_residual"),
-    "dflash": ("block_size", "mask_token_id", "target_layer_ids", "layers.num_layers", "layers.intermediate_size",
-               "draft_vocab_size"),
-}  # fmt: skip
-
-
-def initial_head_path(cfg: TrainConfig) -> Path:
+def init_from_folder(cfg: TrainConfig) -> Path:
     """The folder of the `training.init_from` draft: a path, or the name of a draft shipped with specjax."""
-    return draft_folder(cfg.model.drafter, cfg.training.init_from)
+    return draft_folder(draft_kind(cfg).name, cfg.training.init_from)
 
 
-def initial_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[Eagle3Config | DFlashConfig, Any]:
+def initial_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[Any, Any]:
     """The `training.init_from` draft, which must have the run's shape (raises InputError): (its config, the
-    exported draft: an Eagle3Head, or DFlashWeights with their `vocab_ids`)."""
+    draft in its exported form, train/kinds.py)."""
+    kind = draft_kind(cfg)
     try:
-        if cfg.model.drafter == "dflash":
-            found, draft = load_dflash(initial_head_path(cfg), model.cfg)
-            vocab = model.cfg.vocab_size if draft.vocab_ids is None else len(draft.vocab_ids)
-        else:
-            found, draft = load_eagle3(initial_head_path(cfg), model.cfg)
-            vocab = found.draft_vocab_size
+        draft = kind.load(init_from_folder(cfg), model.cfg)
     except SpecjaxError as e:
         raise InputError(f"training.init_from: {e}") from None
-    want = draft_config(cfg, model)
+    found, want = kind.config(draft), kind.draft_config(cfg, model.cfg)
 
     def shape(config, draft_vocab: int) -> dict:  # the draft vocabulary: a field of EAGLE-3's config, not DFlash's
         return {name: draft_vocab if name == "draft_vocab_size" else operator.attrgetter(name)(config)
-                for name in SHAPE_FIELDS[cfg.model.drafter]}  # fmt: skip
+                for name in kind.shape_fields}  # fmt: skip
 
-    have, need = shape(found, vocab), shape(want, getattr(want, "draft_vocab_size", cfg.model.draft_vocab_size))
+    have, need = shape(found, kind.vocab_size(draft, model.cfg)), shape(want, cfg.model.draft_vocab_size)
     differ = [f"{name} {have[name]} (run: {need[name]})" for name in have if have[name] != need[name]]
     if differ:
         raise InputError(f"training.init_from {cfg.training.init_from} has another shape: {', '.join(differ)}")
@@ -178,9 +133,8 @@ def initial_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[Eagle3Config | 
 
 def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
     """Checks everything that can be checked before any stage writes: the mesh against the devices, the batch
-    against the mesh, the head against the target, the prompts file. Raises InputError; writes nothing.
-
-    Without it these mistakes surfaced only in the train stage, after a regeneration that may take hours.
+    against the mesh, the draft against the target, the prompts file. Raises InputError; writes nothing, so these
+    mistakes surface before a regeneration that may take hours.
     """
     if "regenerate" in stages and "synthesize" not in stages:
         # A missing or malformed prompts file, or too few prompts.
@@ -189,11 +143,11 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
         for source in cfg.data.prompt_sources:
             if source not in ("builtin", "synthetic"):
                 read_conversations(Path(source))  # a missing or malformed prompts file
-    draft_config(cfg, model)  # tap layers / vocabulary sizes against the target, before any stage runs
+    draft_kind(cfg).draft_config(cfg, model.cfg)  # tap layers / vocabulary sizes against the target
     if cfg.training.init_from:
         initial_draft(cfg, model)
     if {"train", "evaluate", "export"} & set(stages):
-        mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
+        mesh = make_mesh(cfg.mesh.axes)
         replicas = mesh.shape["data"] * mesh.shape["fsdp"]
         if cfg.training.batch_size % replicas:
             raise InputError(
@@ -238,8 +192,9 @@ def stage_vocab(cfg: TrainConfig, model: LoadedModel) -> None:
     counts = assistant_token_counts(samples, model.cfg.vocab_size)
     d2t, t2d, covered = vocab_from_counts(counts, cfg.model.draft_vocab_size)
     save_vocab(cfg.output_path / "vocab.npz", d2t, t2d)
-    max_new = cfg.evaluation.max_new_tokens or cfg.data.max_new_tokens
-    data = dataclasses.replace(cfg.data, max_new_tokens=max_new, max_prompt_tokens=model.cfg.max_position_embeddings)
+    data = dataclasses.replace(
+        cfg.data, max_new_tokens=cfg.evaluation_max_new_tokens, max_prompt_tokens=model.cfg.max_position_embeddings
+    )
     held_out = {
         name: reference_responses(model, evaluation_set(cfg, name)[: cfg.evaluation.num_prompts], data, store_root(cfg))
         for name in cfg.evaluation.sets
@@ -265,57 +220,42 @@ def stage_features(cfg: TrainConfig, model: LoadedModel) -> None:
     if cfg.training.features == "online":
         print("skipped: training.features=online computes them in every step", file=sys.stderr)
         return
-    rows = packed_rows(cfg)
-    layers = feature_layers(draft_config(cfg, model).tap_layers, model.cfg)
-    compute_features(model.weights, model.cfg, layers, rows, features_dir(cfg))
+    compute_features(model.weights, model.cfg, stored_layers(cfg, model), packed_rows(cfg), features_dir(cfg))
 
 
 def features_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.training.features_dir) if cfg.training.features_dir else cfg.output_path / "features"
 
 
+def stored_layers(cfg: TrainConfig, model: LoadedModel) -> tuple[int, ...]:
+    """The target layers whose residual streams the features stage stores: the draft's taps, then the last."""
+    return feature_layers(draft_kind(cfg).draft_config(cfg, model.cfg).tap_layers, model.cfg)
+
+
 def build_trainer(cfg: TrainConfig, model: LoadedModel) -> Trainer:
-    seed = cfg.training.seed
-    if cfg.training.init_from:  # an exported draft: its weights and its own draft vocabulary
-        draft_cfg, start = initial_draft(cfg, model)
-        if cfg.model.drafter == "dflash":
-            vocab_ids = None if start.vocab_ids is None else np.asarray(start.vocab_ids)
-            draft = DFlashTraining(draft_cfg, start, vocab_ids, model.cfg, cfg.dflash, seed)
-        else:
-            draft = Eagle3Training(start, model.cfg, cfg.training)
-    elif cfg.model.drafter == "dflash":
-        _, t2d = load_vocab(cfg.output_path / "vocab.npz")
-        draft_cfg = dflash_config(cfg, model)
-        weights = init_dflash(draft_cfg, jax.random.key(seed))
-        draft = DFlashTraining(draft_cfg, weights, np.flatnonzero(t2d), model.cfg, cfg.dflash, seed)
+    """The trainer of the run's draft: the `training.init_from` draft (its weights and its own draft vocabulary), or
+    random weights over the vocab stage's vocabulary."""
+    kind = draft_kind(cfg)
+    if cfg.training.init_from:
+        _, draft = initial_draft(cfg, model)
     else:
         d2t, t2d = load_vocab(cfg.output_path / "vocab.npz")
-        head = Eagle3Head(head_config(cfg, model), rngs=nnx.Rngs(seed))
-        head.d2t[...] = jnp.asarray(d2t, jnp.int32)
-        head.t2d[...] = jnp.asarray(t2d)
-        draft = Eagle3Training(head, model.cfg, cfg.training)
-    mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
-    return Trainer(cfg, model.cfg, model.weights, draft, mesh)
+        draft = kind.fresh(kind.draft_config(cfg, model.cfg), cfg.training.seed, d2t, t2d)
+    training = kind.training(draft, cfg, model.cfg)
+    return Trainer(cfg, model.cfg, model.weights, training, make_mesh(cfg.mesh.axes))
 
 
 def stage_train(cfg: TrainConfig, model: LoadedModel) -> None:
     t = cfg.training
     if t.features == "stored":
-        layers = feature_layers(draft_config(cfg, model).tap_layers, model.cfg)
-        rows = load_features(features_dir(cfg), layers, t.seq_len)
+        rows = load_features(features_dir(cfg), stored_layers(cfg, model), t.seq_len)
     else:
         rows = packed_rows(cfg)
-    if cfg.model.drafter == "dflash":
-        written = np.count_nonzero(rows["tokens"][rows["loss_mask"] > 0] == cfg.dflash.mask_token_id)
-        if written:
-            raise InputError(
-                f"dflash.mask_token_id {cfg.dflash.mask_token_id} occurs {written} times in the responses; choose a "
-                "token the target never writes (an unused special token)"
-            )
+    draft_kind(cfg).check_rows(cfg, rows)
     if t.data_fraction < 1:
         keep = nested_subset(len(rows["tokens"]), t.data_fraction, t.seed)
         rows = {key: value[keep] for key, value in rows.items()}
-    if jax.process_index() == 0:  # what the head is trained on, for the scaling curve
+    if jax.process_index() == 0:  # what the draft is trained on, for the scaling curve
         (cfg.output_path / "training_rows.json").write_text(json.dumps({
             "data_fraction": t.data_fraction, "rows": len(rows["tokens"]),
             "samples": int(rows["segments"].max(1).sum()), "assistant_tokens": int(rows["loss_mask"].sum()),
@@ -334,10 +274,10 @@ def evaluation_set(cfg: TrainConfig, name: str) -> list[str]:
     return chat_prompts() if name == "chat" else humaneval_prompts()
 
 
-def trained_draft(cfg: TrainConfig, model: LoadedModel):
-    """The draft of the latest intact checkpoint, gathered to host memory (`Trainer.export`): an Eagle3Head, or a
-    DFlash (config, weights) pair. Before any checkpoint, a run with `training.init_from` gives its starting head
-    (step 0), so the evaluate stage measures the head it continues with the run's own settings."""
+def trained_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[int, Any]:
+    """(step, draft) of the latest intact checkpoint, the draft in its exported form (train/kinds.py) gathered to
+    host memory. Before any checkpoint, a run with `training.init_from` gives its starting draft (step 0), so the
+    evaluate stage measures the draft it continues with the run's own settings."""
     trainer = build_trainer(cfg, model)
     manager = checkpoint_manager(trainer, cfg.output_path / "train")
     try:
@@ -349,30 +289,18 @@ def trained_draft(cfg: TrainConfig, model: LoadedModel):
     return int(state["step"]), trainer.export(state)  # every process takes part in the gather
 
 
-def evaluation_drafters(cfg: TrainConfig, model: LoadedModel, draft) -> list[tuple[str, str, object, int]]:
-    """(name, description, drafter, K) of each drafting mode the evaluate stage measures."""
-    if cfg.model.drafter == "dflash":
-        draft_cfg, weights = draft
-        drafter = DFlashDrafter.for_target(weights, draft_cfg, model.weights)
-        return [("chain", f"block of {draft_cfg.block_size}, K={draft_cfg.max_drafts}", drafter, draft_cfg.max_drafts)]
-    return [
-        ("chain", f"K={EVAL_DRAFT_TOKENS}", Eagle3Drafter.create(draft, model.weights.embed, None), EVAL_DRAFT_TOKENS),
-        ("tree", f"tree {EVAL_TREE}", Eagle3Drafter.create(draft, model.weights.embed, TreeSpec.parse(EVAL_TREE)),
-         EVAL_DRAFT_TOKENS),
-    ]  # fmt: skip
-
-
 def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
     """Mean accepted length (tokens per target forward, bonus included) of the latest checkpoint on each evaluation
-    set, by greedy speculative decoding (EAGLE-3: chain with K = EVAL_DRAFT_TOKENS and tree EVAL_TREE; DFlash: the
-    whole block); written to eval.json.
+    set, by greedy speculative decoding in each of the kind's evaluation modes (EAGLE-3: chain with K =
+    EVAL_DRAFT_TOKENS and tree EVAL_TREE; DFlash: the whole block); written to eval.json.
 
     Prompts run `evaluation.batch_size` at a time, in order of length (one compilation per padded length). Each row
     drafts, verifies and accepts on its own, and the histogram counts row-rounds, so the figures are those of
     decoding each prompt alone."""
     step, draft = trained_draft(cfg, model)
-    eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(model.tokenizer.eos_token_ids)))
-    max_new = cfg.evaluation.max_new_tokens or cfg.data.max_new_tokens
+    drafters = draft_kind(cfg).evaluation_drafters(draft, model.weights)
+    eos = model.eos_ids
+    max_new = cfg.evaluation_max_new_tokens
     size = cfg.evaluation.batch_size
     report = {"step": step, "max_new_tokens": max_new, "sets": {}}
     for set_name in cfg.evaluation.sets:
@@ -380,7 +308,7 @@ def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
         ids = sorted((model.tokenizer.chat_prompt_ids(p) for p in prompts), key=len)
         batches = [ids[i : i + size] for i in range(0, len(ids), size)]
         result = {"prompts": len(ids)}
-        for name, description, drafter, k in evaluation_drafters(cfg, model, draft):
+        for name, description, drafter, k in drafters:
             hist = None
             for batch in tqdm(batches, desc=f"evaluate {set_name} {name}", unit="batch", file=sys.stderr):
                 out = speculative.generate(
@@ -389,13 +317,9 @@ def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
                 )  # fmt: skip
                 h = out.stats.accepted_histogram
                 hist = h if hist is None else [a + b for a, b in zip(hist, h)]
-            stats = speculative.SpecStats.from_histogram(sum(hist), hist, 0, 1.0)
-            result[name] = {
-                "drafts": description,
-                "mean_accepted": stats.mean_accepted,
-                "acceptance_by_position": stats.acceptance_by_position,
-            }
-            print(f"{set_name} {name}: mean accepted length {stats.mean_accepted:.2f}", file=sys.stderr)
+            mean_accepted, by_position = acceptance(hist)
+            result[name] = {"drafts": description, "mean_accepted": mean_accepted, "acceptance_by_position": by_position}
+            print(f"{set_name} {name}: mean accepted length {mean_accepted:.2f}", file=sys.stderr)
         report["sets"][set_name] = result
     if jax.process_index() == 0:
         (cfg.output_path / "eval.json").write_text(json.dumps(report, indent=1))
@@ -403,27 +327,27 @@ def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
 
 
 def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
+    """Writes the latest checkpoint's draft to export/ in bfloat16, with its model card."""
+    kind = draft_kind(cfg)
     _, draft = trained_draft(cfg, model)
     folder = cfg.output_path / "export"
     if jax.process_index() == 0:  # one writer
-        if cfg.model.drafter == "dflash":
-            draft_cfg, weights = draft
-            save_dflash(folder, draft_cfg, weights, dtype=jnp.bfloat16)
-        else:
-            draft_cfg = draft.cfg
-            save_eagle3(folder, draft_cfg, draft, dtype=jnp.bfloat16)
+        kind.export(folder, draft)
         out = cfg.output_path
         manifest = json.loads((out / "data" / "manifest.json").read_text())
-        vocab = out / "vocab.json"
-        coverage = json.loads(vocab.read_text())["coverage"] if vocab.exists() else None
-        evaluation = json.loads((out / "eval.json").read_text()) if (out / "eval.json").exists() else None
-        synth = out / "prompts" / "manifest.json"
-        synthetic = json.loads(synth.read_text()) if synth.exists() else None
-        start = initial_head_path(cfg) / "README.md" if cfg.training.init_from else None
+        vocab = _json_if_present(out / "vocab.json")
+        coverage = vocab["coverage"] if vocab else None
+        evaluation = _json_if_present(out / "eval.json")
+        synthetic = _json_if_present(out / "prompts" / "manifest.json")
+        start = init_from_folder(cfg) / "README.md" if cfg.training.init_from else None
         start_card = start.read_text() if start and start.is_file() else None
-        card = model_card(cfg, draft_cfg, manifest, synthetic, coverage, evaluation, start_card)
+        card = model_card(cfg, kind.config(draft), manifest, synthetic, coverage, evaluation, start_card)
         (folder / "README.md").write_text(card)
     return folder
+
+
+def _json_if_present(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def run(cfg: TrainConfig, stages: list[str]) -> None:

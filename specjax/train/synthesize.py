@@ -178,7 +178,7 @@ def _row_hints(cfg: SynthesizeSection, batch: int) -> list[tuple[str, str]]:
 def _raw_batches(model: LoadedModel, cfg: SynthesizeSection, store: Store) -> Iterator[list[dict]]:
     """The raw generations of batch 0, 1, ... (read from the store, or generated and stored)."""
     tok = model.tokenizer
-    eos = tuple(sorted(set(model.cfg.eos_token_ids) | set(tok.eos_token_ids)))
+    eos = model.eos_ids
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p)
     target = target_fingerprint(model)
     batch = 0

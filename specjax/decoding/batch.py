@@ -1,0 +1,135 @@
+"""A generation request, validated and packed into fixed shapes; its rows turned back into completions.
+
+Prompts are right-padded to a bucket of PROMPT_BUCKET tokens, so similar lengths share one compilation; every
+executable is compiled once per (static arguments, shapes, dtypes, shardings) and reused (`compiled`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.errors import InputError
+from specjax.sampling import Sampling
+
+PROMPT_BUCKET = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One row's result."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]  # generated ids only; the EOS token is included when one was produced
+    finish_reason: str  # "stop" (an EOS token) or "length" (max_new_tokens reached)
+
+
+def prompt_bucket(max_prompt_len: int) -> int:
+    """Prompts are right-padded to a multiple of 64, so similar lengths share one compilation."""
+    return -(-max_prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads prompts into int32 [batch, bucket]; rows past len(prompts) repeat the first prompt."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise InputError("every prompt must contain at least one token")
+    rows = list(prompts) + [prompts[0]] * (batch - len(prompts))
+    lengths = np.array([len(p) for p in rows], np.int32)
+    tokens = np.full((batch, prompt_bucket(int(lengths.max()))), pad_id, np.int32)
+    for i, p in enumerate(rows):
+        tokens[i, : len(p)] = p
+    return tokens, lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A validated generation request, packed: U prompt rows, each decoded by num_samples adjacent rows (B = U *
+    num_samples); rows past the real ones are padding."""
+
+    tokens: np.ndarray  # int32 [U, bucket] right-padded prompts
+    lengths: np.ndarray  # int32 [U]
+    eos: tuple[int, ...]
+    sampling: Sampling  # [B]
+    active: np.ndarray  # bool [B]: a real row, not padding
+    row_prompts: list[Sequence[int]]  # the prompt of each real row, in row order
+
+
+def prepare_batch(
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int] | None,
+    batch_size: int | None,
+    sampling: SamplingConfig | Sequence[SamplingConfig],
+    num_samples: int = 1,
+) -> Request:
+    """Validates a generation request and packs its prompts and their rows' sampling values. Raises InputError."""
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if num_samples < 1:
+        raise InputError(f"num_samples must be >= 1, got {num_samples}")
+    batch = batch_size or len(prompts)
+    if batch < len(prompts):
+        raise InputError(f"{len(prompts)} prompts do not fit in a batch of {batch}")
+    eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
+    tokens, lengths = pack_prompts(prompts, batch)
+    ids = np.concatenate([np.asarray(p, np.int64) for p in prompts])
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        bad = int(ids[(ids < 0) | (ids >= cfg.vocab_size)][0])
+        raise InputError(f"token id {bad} is outside the model's vocabulary 0..{cfg.vocab_size - 1}")
+    longest = int(lengths.max())
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise InputError(
+            f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model's maximum length "
+            f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens"
+        )
+    if not isinstance(sampling, SamplingConfig):
+        if len(sampling) != len(prompts):
+            raise InputError(
+                f"{len(sampling)} sampling settings for {len(prompts)} prompts; give one, or one per prompt"
+            )
+        sampling = [s for s in sampling for _ in range(num_samples)]
+    rows = batch * num_samples
+    return Request(
+        tokens, lengths, eos, Sampling.of(sampling, rows), np.arange(rows) < len(prompts) * num_samples,
+        [p for p in prompts for _ in range(num_samples)],
+    )  # fmt: skip
+
+
+def completions(prompts: Sequence[Sequence[int]], out_bn, num_new_b, eos: tuple[int, ...]) -> list[Completion]:
+    """One Completion per row (of prompt `prompts[i]`) from the decoded token buffer and per-row counts."""
+    result = []
+    for i, prompt in enumerate(prompts):
+        ids = [int(t) for t in np.asarray(out_bn[i, : num_new_b[i]])]
+        result.append(Completion(list(prompt), ids, "stop" if ids and ids[-1] in eos else "length"))
+    return result
+
+
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    """bool, of the shape of `tokens`: which are end-of-sequence ids."""
+    return jnp.isin(tokens, jnp.array(eos_ids or (-1,), jnp.int32))
+
+
+_EXECUTABLES: dict = {}
+
+
+def compiled(fn, args, static: dict):
+    """AOT-compiles `fn` once per (static args, shapes, dtypes, shardings), so timing excludes compilation.
+
+    Returns:
+      (executable, seconds spent tracing and compiling now: 0 when it was cached).
+    """
+    leaves, treedef = jax.tree.flatten(args)
+    signature = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+    key = (fn, treedef, signature, tuple(sorted(static.items())))
+    if key in _EXECUTABLES:
+        return _EXECUTABLES[key], 0.0
+    t0 = time.perf_counter()
+    _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+    return _EXECUTABLES[key], time.perf_counter() - t0
