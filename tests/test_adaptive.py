@@ -14,23 +14,15 @@ import pytest
 
 import specjax.adaptive as adaptive_mod
 import specjax.decoding.speculative as spec
-from specjax.adaptive import (
-    Adaptive,
-    calibrated,
-    choose,
-    first_pace,
-    non_decreasing,
-    observe,
-    paces,
-    rates,
-    step_pace,
-    useful_entries,
-)
+from specjax.adaptive import Adaptive, choose, first_pace, observe, paces, rates, step_pace
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
 from specjax.decoding.batch import prepare_batch
+from specjax.decoding.stats import SpecStats
 from specjax.drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from specjax.errors import InputError
+from specjax.host import machine
+from specjax.measure.calibration import calibrated, non_decreasing, useful_entries
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
 from specjax.sampling import Sampling, probabilities
@@ -89,7 +81,7 @@ def test_where_drafting_cannot_pay_at_the_prior_plain_decoding_runs_instead_of_t
     assert adaptive_mod.never_drafts(Adaptive.of((0, 2), [1.3, 2.2]), [0, 2])
     assert adaptive_mod.never_drafts(Adaptive.of((2,), [2.2]), [2])  # likewise without a plain step in the menu
     assert not adaptive_mod.never_drafts(Adaptive.of((0, 2), [1.3, 1.8]), [0, 2])  # 0.92 a token: the loop pays
-    monkeypatch.setattr(spec, "never_drafts", lambda *args: False)
+    monkeypatch.setattr(Adaptive, "never_drafts", lambda *args: False)
     looped = run(cost)
     assert looped.stats.rounds_by_drafts == {0: MAX_NEW - 1, 1: 0, 2: 0, 3: 0, 5: 0}  # the premise, in the loop
     monkeypatch.undo()
@@ -138,9 +130,9 @@ def test_the_cache_is_not_copied_through_the_switch():
     req = prepare_batch(CFG, PROMPTS, MAX_NEW, (), None, SamplingConfig())
 
     def cache_copies(menu: Adaptive) -> int:
-        args = (WEIGHTS, NgramDrafter(max_n=2), jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(0),
-                req.sampling, jnp.asarray(req.active), menu)  # fmt: skip
-        hlo = spec.speculative_decode.lower(*args, cfg=CFG, num_draft_tokens=0, max_new_tokens=MAX_NEW, eos_ids=())
+        args = (WEIGHTS, NgramDrafter(max_n=2), menu, jnp.asarray(req.tokens), jnp.asarray(req.lengths),
+                jax.random.key(0), req.sampling, jnp.asarray(req.active))  # fmt: skip
+        hlo = spec.speculative_decode.lower(*args, cfg=CFG, max_new_tokens=MAX_NEW, eos_ids=())
         slots = req.tokens.shape[1] + MAX_NEW + max(menu.menu) + 1  # the cache's: prompt, outputs, a round's draft
         cache = f"f32[{CFG.num_layers},{len(PROMPTS)},{slots},{CFG.num_kv_heads},{CFG.head_dim}]"
         return len(re.findall(rf"= {re.escape(cache)}{{[^}}]*}} copy\(", hlo.compile().as_text()))
@@ -157,11 +149,10 @@ def test_sampled_output_keeps_the_target_distribution_with_plain_steps_among_the
     sampling = SamplingConfig(temperature=1.0)
     menu = Adaptive.of((0, 2), [1.0, 1.9])  # at the prior 0.6 two drafts pay (1.96 / 1.9 > 1); below ~0.58 not
     out = spec.speculative_decode(
-        weights, NgramDrafter(max_n=1), jnp.asarray([prompt], jnp.int32), jnp.asarray([2], jnp.int32),
-        jax.random.key(0), Sampling.of(sampling), None, menu, cfg=toy, num_draft_tokens=0, max_new_tokens=4,
-        eos_ids=(), num_samples=samples,
+        weights, NgramDrafter(max_n=1), menu, jnp.asarray([prompt], jnp.int32), jnp.asarray([2], jnp.int32),
+        jax.random.key(0), Sampling.of(sampling), cfg=toy, max_new_tokens=4, eos_ids=(), num_samples=samples,
     )  # fmt: skip
-    by_entry = np.asarray(out.menu_rounds)
+    by_entry = np.asarray(out.state.menu_rounds)
     assert by_entry[0] > 0 and by_entry[1] > 0  # both kinds of round ran
     t1, t2 = np.meshgrid(np.arange(V), np.arange(V), indexing="ij")
     seqs = np.stack([np.full(V * V, prompt[0]), np.full(V * V, prompt[1]), t1.ravel(), t2.ravel()], 1)
@@ -204,10 +195,10 @@ def test_a_rows_pace_starts_at_the_prior_and_follows_its_rounds():
 def test_prompt_lookup_tells_rounds_apart_by_the_tail_it_matched():
     tokens = jnp.asarray([[5, 6, 7, 5, 6, 0], [1, 2, 3, 0, 0, 0], [1, 2, 1, 0, 0, 0]], jnp.int32)
     lengths = jnp.asarray([5, 3, 3], jnp.int32)
-    assert NgramDrafter(max_n=2).num_regimes == 3
+    assert NgramDrafter(max_n=2).traits.regimes == 3
     assert NgramDrafter(max_n=2).regime((), tokens, lengths).tolist() == [2, 0, 1]  # "5 6" recurs, nothing, "1"
     lookup_first = LookupFirstDrafter(NgramDrafter(max_n=1), n=2)
-    assert lookup_first.num_regimes == 2 and lookup_first.regime((), tokens, lengths).tolist() == [1, 0, 0]
+    assert lookup_first.traits.regimes == 2 and lookup_first.regime((), tokens, lengths).tolist() == [1, 0, 0]
     assert ModelDrafter(WEIGHTS, CFG).regime((), tokens, lengths).tolist() == [0, 0, 0]  # one kind of round
 
 
@@ -248,7 +239,7 @@ def test_the_prior_and_the_track_record_learn_from_earlier_calls_without_compili
     menu = Adaptive.of((0, 1, 2), [0.9, 1.2, 1.4], prior=0.6, regimes=2)
 
     def call(evidence, rounds, plain_steps):
-        stats = spec.SpecStats.from_histogram(sum(rounds), [1], 1, 1.0)
+        stats = SpecStats.from_histogram(sum(rounds), [1], 1, 1.0)
         return dataclasses.replace(
             stats, acceptance_evidence=evidence, rounds_by_drafts=dict(zip(menu.menu, rounds)), plain_steps=plain_steps
         )
@@ -285,7 +276,7 @@ def test_the_prior_and_the_track_record_learn_from_earlier_calls_without_compili
 
 def test_calibration_times_each_entry_alone_in_the_loop_decoding_compiles(monkeypatch):
     """`Adaptive.forcing` prices out every entry but one; the costs are data, so one executable runs each entry."""
-    monkeypatch.setattr(spec, "never_drafts", lambda *args: False)  # the forced plain step runs in the loop too
+    monkeypatch.setattr(Adaptive, "never_drafts", lambda *args: False)  # the forced plain step runs in the loop too
     kw = dict(drafter=NgramDrafter(max_n=2), max_new_tokens=MAX_NEW, eos_ids=())
     results = [spec.generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=Adaptive.forcing(MENU, e), **kw) for e in range(5)]
     for k, result in zip(MENU, results):
@@ -307,13 +298,13 @@ def test_measured_costs_are_fitted_non_decreasing():
 
 
 def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch):
-    monkeypatch.setattr(adaptive_mod, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     drafter = NgramDrafter(max_n=2)
     kw = dict(batch=2, context=16, sampling=SamplingConfig())
     first = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
     (record,) = tmp_path.glob("calibration/*.json")
     measured = json.loads(record.read_text())
-    assert measured["menu"] == [0, 1, 2, 3, 5] and all(c > 0 for c in measured["cost"])  # in plain steps
+    assert measured["menu"] == [0, 1, 2, 3, 5] and all(c > 0 for c in measured["value"])  # in plain steps
     assert first.menu and set(first.menu) <= set(measured["menu"])  # the entries that win at some rate
     import specjax.measure.timing as calibrate
 
@@ -337,7 +328,7 @@ def test_the_machine_key_names_the_cpu_model_and_its_vector_extensions(tmp_path)
         ("avx avx2 avx512f avx512bw avx512_bf16", "avx2,avx512f,avx512_bf16"),
     ):
         cpuinfo.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\n")
-        assert adaptive_mod.machine(str(cpuinfo)) == f"cpu:AMD EPYC:{os.cpu_count()}:{isa}"
+        assert machine(str(cpuinfo)) == f"cpu:AMD EPYC:{os.cpu_count()}:{isa}"
 
 
 def test_bad_menus_are_refused():

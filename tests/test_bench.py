@@ -6,15 +6,15 @@ import statistics
 
 import pytest
 
-from specjax import adaptive, bandwidth
+from specjax.measure import bandwidth, calibration
 from specjax.cli import bench
 
 
 def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(bandwidth, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(bandwidth, "copy_bandwidth", lambda: 1e10)
     # Costs in plain steps, as calibration would measure them (tests/test_adaptive.py measures them for real).
-    monkeypatch.setattr(adaptive, "menu_costs", lambda *args, **kw: [1.0 + 0.2 * k for k in args[3]])
+    monkeypatch.setattr(calibration, "menu_costs", lambda *args, **kw: [1.0 + 0.2 * k for k in args[3]])
     prompts = ["Write a function.", "Name three rivers.", "Count to ten.", "Hello!"]
     argv = ["--model", "tiny-random", "--modes", "ar,ngram,ngram:2,ngram:auto,layerskip", "--max-new-tokens", "12",
             "--num-draft-tokens", "3", "--draft-layers", "1", "--forward-costs", "1,4",
@@ -150,7 +150,7 @@ def test_bandwidth_comes_from_the_data_sheet_or_one_cached_measurement(tmp_path,
     Device.device_kind = "Some New Accelerator"
     measurements = []
     monkeypatch.setattr(bandwidth, "copy_bandwidth", lambda: measurements.append(1) or 5e11)
-    monkeypatch.setattr(bandwidth, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     assert bandwidth.device_bandwidth() == bandwidth.device_bandwidth() == (5e11, "measured")
     assert len(measurements) == 1
 

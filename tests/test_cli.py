@@ -182,9 +182,7 @@ def test_num_samples_gives_each_prompt_its_samples_in_one_batch(tiny_folder, tmp
 
 
 def test_drafting_is_adaptive_by_default(tiny_folder, tmp_path, monkeypatch, capsys):
-    from specjax import adaptive
-
-    monkeypatch.setattr(adaptive, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
     common = ["--model", str(tiny_folder), "--prompt", "a b a b a b", "--max-new-tokens", "10"]
     entry([*common, "--json", str(tmp_path / "ar.json")])
     entry([*common, "--drafter", "ngram", "--json", str(tmp_path / "auto.json")])

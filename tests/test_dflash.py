@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import specjax.decoding.speculative as spec
+from specjax.adaptive import Fixed
 from specjax.cli import common as cli
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
@@ -95,11 +96,11 @@ def test_greedy_identical_to_autoregressive_with_a_fresh_context_cache(k, vocab)
     expected = ar_generate(TARGET, TARGET_CFG, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=()).completions
     tokens, lengths = pack_prompts(PROMPTS, len(PROMPTS))
     out = spec.speculative_decode(
-        TARGET, drafter, tokens, lengths, jax.random.key(0), Sampling.of(SamplingConfig(), len(PROMPTS)),
-        cfg=TARGET_CFG, num_draft_tokens=k, max_new_tokens=MAX_NEW, eos_ids=(),
+        TARGET, drafter, Fixed(k), tokens, lengths, jax.random.key(0), Sampling.of(SamplingConfig(), len(PROMPTS)),
+        cfg=TARGET_CFG, max_new_tokens=MAX_NEW, eos_ids=(),
     )  # fmt: skip
     assert np.asarray(out.out_bn).tolist() == [c.output_ids for c in expected]
-    hist = np.asarray(out.accepted_hist)
+    hist = np.asarray(out.state.accepted_hist)
     assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both happened
 
     state = out.state
@@ -137,8 +138,8 @@ def exact_joint(sampling: SamplingConfig) -> np.ndarray:
 
 def sampled_joint(sampling: SamplingConfig, drafter, k: int) -> np.ndarray:
     out = spec.speculative_decode(
-        TARGET, drafter, np.array([DIST_PROMPT], np.int32), np.array([2], np.int32), jax.random.key(0),
-        Sampling.of(sampling), cfg=TARGET_CFG, num_draft_tokens=k, max_new_tokens=3, eos_ids=(), num_samples=SAMPLES,
+        TARGET, drafter, Fixed(k), np.array([DIST_PROMPT], np.int32), np.array([2], np.int32), jax.random.key(0),
+        Sampling.of(sampling), cfg=TARGET_CFG, max_new_tokens=3, eos_ids=(), num_samples=SAMPLES,
     )  # fmt: skip
     V = TARGET_CFG.vocab_size
     flat = np.asarray(out.out_bn) @ np.array([V * V, V, 1])

@@ -71,7 +71,7 @@ def test_ngram_continuation_runs_periodically_into_the_tail():
 def test_ngram_rows_are_independent_and_probs_are_one_hot():
     tokens, lengths = pack_prompts([[1, 2, 3, 1, 2], [5, 6, 5], [9]], 3)
     drafter = NgramDrafter(max_n=2)
-    draft, probs, state = drafter.propose(
+    draft, probs, state = drafter.propose_chain(
         drafter.init(tokens, lengths, 64), jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
         num_draft_tokens=3, vocab_size=16, sampling=Sampling.of(SamplingConfig(0.7)),
     )  # fmt: skip
@@ -88,7 +88,7 @@ def truncated(n):
 @functools.partial(jax.jit, static_argnames=("k",))
 def propose(drafter, tokens_bs, length_b, key, k, sampling):
     state = drafter.init(tokens_bs, length_b - 1, tokens_bs.shape[1] + k + 2)
-    return drafter.propose(state, tokens_bs, length_b, key, num_draft_tokens=k, vocab_size=64, sampling=sampling)[:2]
+    return drafter.propose_chain(state, tokens_bs, length_b, key, num_draft_tokens=k, vocab_size=64, sampling=sampling)[:2]
 
 
 @pytest.mark.parametrize(

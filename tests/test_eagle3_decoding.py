@@ -14,8 +14,9 @@ import pytest
 from flax import nnx
 
 import specjax.decoding.speculative as spec
-from specjax import acceptance
-from specjax import tree as tree_mod
+from specjax.adaptive import Fixed
+from specjax.decoding import acceptance
+from specjax.drafters import tree as tree_mod
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
 from specjax.decoding.batch import pack_prompts
@@ -69,8 +70,8 @@ def ar_batch():
 def decode(d, prompts, cfg=CFG, weights=WEIGHTS, max_new=MAX_NEW, sampling=SamplingConfig(), seed=0):
     tokens, lengths = pack_prompts(prompts, len(prompts))
     return spec.speculative_decode(
-        weights, d, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), Sampling.of(sampling),
-        cfg=cfg, num_draft_tokens=K, max_new_tokens=max_new, eos_ids=(),
+        weights, d, Fixed(K), jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), Sampling.of(sampling),
+        cfg=cfg, max_new_tokens=max_new, eos_ids=(),
     )  # fmt: skip
 
 
@@ -132,7 +133,7 @@ def test_target_and_head_kv_equal_a_fresh_prefix_pass(mode, runs):
         assert int(out.state.cache.lengths[b]) == n and int(head_state.cache.lengths[b]) == n
         x = jnp.asarray(toks[None, :n])
         cache = KVCache.empty(CFG, 1, n)
-        _, taps, cache = forward(WEIGHTS, CFG, x, jnp.arange(n)[None], cache, tap_layers=d.tap_layers)
+        _, taps, cache = forward(WEIGHTS, CFG, x, jnp.arange(n)[None], cache, tap_layers=d.traits.tap_layers)
         np.testing.assert_allclose(out.state.cache.k[:, b, :n], cache.k[:, 0], atol=2e-5)
         np.testing.assert_allclose(out.state.cache.v[:, b, :n], cache.v[:, 0], atol=2e-5)
         fresh = d.commit(d.init(x, jnp.array([n]), n), jnp.asarray(toks[None, 1:]), taps, jnp.array([n]))
@@ -146,7 +147,7 @@ def test_root_is_the_heads_output_at_the_last_committed_row():
     as one head step over all the committed rows, for rows of different committed lengths."""
     d, B, T = drafter(), 2, 7
     key_taps, key_tokens = jax.random.split(jax.random.key(5))
-    taps = jax.random.normal(key_taps, (B, T, len(d.tap_layers) * CFG.hidden_size))
+    taps = jax.random.normal(key_taps, (B, T, len(d.traits.tap_layers) * CFG.hidden_size))
     tokens = jax.random.randint(key_tokens, (B, T), 0, CFG.vocab_size)
     count = jnp.array([T, 4])
     state = d.commit(d.init(tokens, count, T + 2), tokens, taps, count)
@@ -310,8 +311,8 @@ def test_lookup_first_takes_the_lookup_only_in_rows_whose_tail_recurs():
     lengths = jnp.array([6, 6])
     state = d.commit(d.init(tokens, lengths, 16), tokens[:, 1:], jnp.ones((2, 5, 3 * CFG.hidden_size)), lengths - 1)
     options = dict(num_draft_tokens=3, vocab_size=CFG.vocab_size, sampling=Sampling.of(SamplingConfig()))
-    draft, probs, _ = d.propose(state, tokens, lengths, jax.random.key(0), **options)
-    alone, alone_probs, _ = fallback.propose(state, tokens, lengths, jax.random.key(0), **options)
+    draft, probs, _ = d.propose_chain(state, tokens, lengths, jax.random.key(0), **options)
+    alone, alone_probs, _ = fallback.propose_chain(state, tokens, lengths, jax.random.key(0), **options)
     assert draft[0].tolist() == [9, 4, 7] and probs[0].argmax(-1).tolist() == [9, 4, 7]
     np.testing.assert_array_equal(draft[1], alone[1])
     np.testing.assert_array_equal(probs[1], alone_probs[1])
@@ -327,8 +328,8 @@ def test_lookup_first_fallback_drafting_fewer_tokens_repeats_its_last_draft():
     lengths = jnp.array([6, 6])
     state = d.commit(d.init(tokens, lengths, 16), tokens[:, 1:], jnp.ones((2, 5, 3 * CFG.hidden_size)), lengths - 1)
     options = dict(vocab_size=CFG.vocab_size, sampling=Sampling.of(SamplingConfig()))
-    draft, probs, _ = d.propose(state, tokens, lengths, jax.random.key(0), num_draft_tokens=3, **options)
-    alone, alone_probs, _ = fallback.propose(state, tokens, lengths, jax.random.key(0), num_draft_tokens=1, **options)
+    draft, probs, _ = d.propose_chain(state, tokens, lengths, jax.random.key(0), num_draft_tokens=3, **options)
+    alone, alone_probs, _ = fallback.propose_chain(state, tokens, lengths, jax.random.key(0), num_draft_tokens=1, **options)
     assert draft[0].tolist() == [9, 4, 7]  # the lookup proposes all 3
     assert draft[1].tolist() == [int(alone[1, 0])] * 3
     np.testing.assert_array_equal(probs[1, 0], alone_probs[1, 0])

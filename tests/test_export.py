@@ -16,7 +16,7 @@ from jax import export
 from test_plan import random_head
 
 import specjax.decoding.speculative as spec
-from specjax.adaptive import Adaptive
+from specjax.adaptive import Adaptive, Fixed
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import decode
 from specjax.drafters import Eagle3Drafter, NgramDrafter
@@ -77,8 +77,8 @@ DRAFTERS = {
 def test_speculative_loop_exports_for_gpu_and_tpu(name, sampling):
     drafter, adaptive = DRAFTERS[name]
     exported = export.export(spec.speculative_decode, platforms=PLATFORMS)(
-        WEIGHTS, drafter, *loop_inputs(SAMPLING[sampling]), None, adaptive, cfg=CFG,
-        num_draft_tokens=0 if adaptive else 3, max_new_tokens=8, eos_ids=(1,),
+        WEIGHTS, drafter, adaptive or Fixed(3), *loop_inputs(SAMPLING[sampling]), cfg=CFG, max_new_tokens=8,
+        eos_ids=(1,),
     )  # fmt: skip
     text = exported_text(exported)
     assert "stablehlo.while" in text  # the whole loop is in the artifact, not unrolled on the host

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import generate as gen
+from specjax.decoding import autoregressive as gen
+from specjax.decoding import batch
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import speculative
 from specjax.drafters import NgramDrafter
@@ -60,7 +61,7 @@ def test_compiles_once_per_shape(monkeypatch):
     traces = []
     original = gen.prefill
     monkeypatch.setattr(gen, "prefill", lambda *a, **k: traces.append(1) or original(*a, **k))
-    gen._EXECUTABLES.clear()
+    batch._EXECUTABLES.clear()
     gen.decode.clear_cache()
     sampling = SamplingConfig(temperature=0.9, top_p=0.95)
     first = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=6, sampling=sampling, seed=3)
@@ -99,9 +100,9 @@ def test_bad_input():
 
 
 def test_pack_prompts_buckets_to_multiples_of_64():
-    tokens, lengths = gen.pack_prompts([[1] * 17, [2]], batch=3)
+    tokens, lengths = batch.pack_prompts([[1] * 17, [2]], batch=3)
     assert tokens.shape == (3, 64) and lengths.tolist() == [17, 1, 17]
-    assert gen.pack_prompts([[1] * 65], batch=1)[0].shape == (1, 128)
+    assert batch.pack_prompts([[1] * 65], batch=1)[0].shape == (1, 128)
     assert np.all(tokens[1, 1:] == 0)
 
 
@@ -113,7 +114,7 @@ def test_samples_of_a_prompt_share_one_prefill(monkeypatch):
         gen, "prefill", lambda w, c, t, *a, **k: prefilled_rows.append(t.shape[0]) or original(w, c, t, *a, **k)
     )
     gen.decode.clear_cache()
-    gen._EXECUTABLES.clear()
+    batch._EXECUTABLES.clear()
     greedy = gen.generate(WEIGHTS, CFG, PROMPTS[:2], max_new_tokens=8, eos_ids=(), num_samples=3)
     assert prefilled_rows == [2]
     alone = gen.generate(WEIGHTS, CFG, PROMPTS[:2], max_new_tokens=8, eos_ids=())

@@ -8,7 +8,8 @@ import pytest
 
 import specjax.decoding.autoregressive as ar_loop
 import specjax.decoding.speculative as spec
-from specjax import plan
+from specjax.adaptive import Fixed
+from specjax.measure import memory as plan
 from specjax.cli import bench
 from specjax.cli import common as cli
 from specjax.cli import generate as generate_cli
@@ -62,8 +63,7 @@ def test_plan_of_eagle3_chain_decoding_matches_compiled_memory():
     drafter = Eagle3Drafter.create(random_head(cfg), weights.embed)
     batch, prompt_len, max_new, k = 4, 64, 64, 4
     lowered = spec.speculative_decode.lower(
-        weights, drafter, *inputs(batch, prompt_len), cfg=cfg, num_draft_tokens=k, max_new_tokens=max_new,
-        eos_ids=(1,),
+        weights, drafter, Fixed(k), *inputs(batch, prompt_len), cfg=cfg, max_new_tokens=max_new, eos_ids=(1,),
     )  # fmt: skip
     p = plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new,
                          drafter=drafter, draft_shape=TreeSpec.chain(k), target_weights=weights)  # fmt: skip

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 import specjax.decoding.speculative as spec
-from specjax import acceptance
+from specjax.decoding import acceptance
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
 from specjax.decoding.batch import pack_prompts
-from specjax.drafters import BaseDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
+from specjax.adaptive import Fixed
+from specjax.drafters import ChainDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
 from specjax.drafters.tree import DraftTree
 from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache
@@ -93,16 +94,18 @@ def test_cache_equals_fresh_prefill_and_traces_once(monkeypatch):
     sampling = Sampling.of(SamplingConfig(temperature=1.0, top_k=20), 4)
     drafter = DRAFTERS["other_model"]
     tokens, lengths = pack_prompts(PROMPTS, 4)
-    static = dict(cfg=CFG, num_draft_tokens=3, max_new_tokens=15, eos_ids=())
-    first = spec.speculative_decode(WEIGHTS, drafter, tokens, lengths, jax.random.key(0), sampling, **static)
+    static = dict(cfg=CFG, max_new_tokens=15, eos_ids=())
+    first = spec.speculative_decode(WEIGHTS, drafter, Fixed(3), tokens, lengths, jax.random.key(0), sampling, **static)
     # Other prompts, and other sampling values in every row (mixed, one greedy): the same executable.
     tokens2, lengths2 = pack_prompts(PROMPTS[::-1], 4)
     mixed = [SamplingConfig(0.7, 5, 0.9), SamplingConfig(), SamplingConfig(1.5), SamplingConfig(1.0, top_p=0.5)]
-    spec.speculative_decode(WEIGHTS, drafter, tokens2, lengths2, jax.random.key(1), Sampling.of(mixed, 4), **static)
+    spec.speculative_decode(
+        WEIGHTS, drafter, Fixed(3), tokens2, lengths2, jax.random.key(1), Sampling.of(mixed, 4), **static
+    )
     assert len(traces) == 1
 
     state = first.state
-    hist = np.asarray(first.accepted_hist)
+    hist = np.asarray(state.accepted_hist)
     assert hist[0] > 0 and hist[1:].sum() > 0  # both rejections and acceptances happened
     length = np.asarray(state.length_b)
     assert np.all(length == lengths + 15) and np.all(np.asarray(state.cache.lengths) == length - 1)
@@ -139,7 +142,7 @@ SAMPLES = 32768
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ClaimedProbs(BaseDrafter):
+class ClaimedProbs(ChainDrafter):
     """Samples drafts from its model but reports other draft_probs: "one_hot" (the draft as certain — still exact,
     it only accepts less) or "uniform" (not the distribution the draft came from — broken)."""
 
@@ -149,8 +152,8 @@ class ClaimedProbs(BaseDrafter):
     def init(self, *a):
         return self.inner.init(*a)
 
-    def propose(self, state, tokens_bs, length_b, key, *, num_draft_tokens, vocab_size, sampling):
-        tokens, _, state = self.inner.propose(
+    def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens, vocab_size, sampling):
+        tokens, _, state = self.inner.propose_chain(
             state, tokens_bs, length_b, key, num_draft_tokens=num_draft_tokens, vocab_size=vocab_size,
             sampling=sampling,
         )  # fmt: skip
@@ -180,8 +183,8 @@ def sampled_outputs(sampling, drafter, k=2, seed=0):
     tokens, lengths = np.array([TOY_PROMPT], np.int32), np.array([len(TOY_PROMPT)], np.int32)
     rows = Sampling.of(sampling, None if isinstance(sampling, SamplingConfig) else SAMPLES)
     out = spec.speculative_decode(
-        TOY_TARGET, drafter, tokens, lengths, jax.random.key(seed), rows,
-        cfg=TOY, num_draft_tokens=k, max_new_tokens=3, eos_ids=(), num_samples=SAMPLES,
+        TOY_TARGET, drafter, Fixed(k), tokens, lengths, jax.random.key(seed), rows,
+        cfg=TOY, max_new_tokens=3, eos_ids=(), num_samples=SAMPLES,
     ).out_bn  # SAMPLES rows that share the prompt's prefill  # fmt: skip
     V = TOY.vocab_size
     return np.asarray(out) @ np.array([V * V, V, 1])

@@ -393,7 +393,7 @@ def test_a_dflash_run_can_start_at_an_exported_draft_of_its_shape(dflash_run, tm
 
 
 def test_init_from_takes_a_shipped_head_by_name():
-    from specjax.drafters.base import SHIPPED_DRAFTS
+    from specjax.drafters.registry import SHIPPED_DRAFTS
     from specjax.io.loading import load_model
     from specjax.train.config import load_config
     from specjax.train.run import initial_draft

@@ -57,7 +57,7 @@ def _softmax(x):
 
 
 def reference_ttt(head, embed, rows, taps, Z, K, decay):
-    """Row by row, step by step, straight from the alignment in train/ttt.py's docstring (and docs/eagle3-head.md,
+    """Row by row, step by step, straight from the alignment in specjax/train/ttt.py's docstring (and docs/eagle3-head.md,
     section 5).
 
     Step k, row t: embedding of x[t+1+k] (id 0 past the end), position p[t]+k, feature F[t] at k = 0 else the

@@ -288,8 +288,8 @@ def check_inputs(cfg: ModelConfig, drafter: Drafter, policy: Policy) -> None:
         )
     if 0 in policy.menu and not traits.plain_rounds:
         raise InputError(f"{type(drafter).__name__} cannot follow plain decoding steps: leave 0 out of the menu")
-    # A menu of plain steps alone (drafting never pays here) still commits rows to the drafter: check it as for K=1.
-    for k in [k for k in policy.menu if k] or [1]:
+    # A fixed K must draft; an adaptive menu of plain steps alone still commits rows to the drafter: checked as K=1.
+    for k in policy.menu if isinstance(policy, Fixed) else [k for k in policy.menu if k] or [1]:
         if not 1 <= drafter.draft_shape(k).depth <= MAX_DRAFT_TOKENS:
             raise InputError(f"the number of draft tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}")
         drafter.validate(cfg, k)

@@ -110,7 +110,7 @@ def calibrated(
         sizes = [drafter.draft_shape(max_draft_tokens).depth]
     else:
         sizes = sorted({k for k in ADAPTIVE_MENU if k < max_draft_tokens} | {max_draft_tokens})
-    menu = ([0] if drafter.allows_plain_rounds else []) + sizes
+    menu = ([0] if drafter.traits.plain_rounds else []) + sizes
     cost = menu_costs(weights, cfg, drafter, menu, batch=batch, context=context, sampling=sampling)
     keep = useful_entries(menu, menu_depths(drafter, menu), cost)
-    return Adaptive.of([menu[i] for i in keep], [cost[i] for i in keep], regimes=drafter.num_regimes)
+    return Adaptive.of([menu[i] for i in keep], [cost[i] for i in keep], regimes=drafter.traits.regimes)

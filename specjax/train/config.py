@@ -19,7 +19,7 @@ import yaml
 
 from specjax.errors import InputError
 
-# model.drafter's values (the kinds of train/kinds.py), each with the keys a run of that kind must set.
+# model.drafter's values (the kinds of specjax/train/kinds.py), each with the keys a run of that kind must set.
 DRAFTERS = {
     "eagle3": {},
     "dflash": {"dflash.mask_token_id": "a token id the target never writes (an unused special token)"},
@@ -64,7 +64,7 @@ class DFlashSection:
 
 @dataclasses.dataclass(frozen=True)
 class SynthesizeSection:
-    """Prompts the target writes itself (train/synthesize.py); the data source `synthetic` reads them."""
+    """Prompts the target writes itself (specjax/train/synthesize.py); the data source `synthetic` reads them."""
 
     num_prompts: int = 0  # prompts to keep (0: the stage does nothing)
     domains: tuple[str, ...] = ("code", "math", "reasoning", "writing", "stem", "extraction", "roleplay", "everyday")

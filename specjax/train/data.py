@@ -1,9 +1,9 @@
 """Stage `regenerate`: the target writes the assistant turns itself; and the dataset those turns form.
 
-The training conversations (train/conversations.py) are taken from the sources in turn and each source's are cut,
+The training conversations (specjax/train/conversations.py) are taken from the sources in turn and each source's are cut,
 in order, into units of `UNIT` conversations. Each unit yields one shard per response: the greedy one, then
 `data.samples_per_prompt` sampled ones. A shard holds token arrays with assistant-only loss masks (compressed
-`.npz`, no pickle) and lives in the content-addressed store (train/store.py) under the hash of the target, the
+`.npz`, no pickle) and lives in the content-addressed store (specjax/train/store.py) under the hash of the target, the
 unit's conversations and the generation settings: a run resumes at the first missing shard, a run with more prompts
 reuses the shards of a smaller one, and a committed store lets a later run retrain without generating.
 `output_dir/data/manifest.json` lists the shards a run uses, with counts.
@@ -35,7 +35,7 @@ from specjax.train.config import DataSection
 from specjax.train.conversations import Conversation, first_user_text, source_conversations
 from specjax.train.filters import NearDuplicates
 from specjax.train.prompts import humaneval_entry_points, stdlib_source_answers, stub_names
-from specjax.train.store import Store, content_key, target_fingerprint
+from specjax.train.store import Store, content_key, read_manifest, target_fingerprint
 
 UNIT = 256  # conversations per shard: the granularity of resuming and of nested subsets
 
@@ -312,10 +312,7 @@ def load_samples(folder: Path, regenerated_only: bool = False) -> list[Sample]:
       folder: the dataset folder (its manifest names the store and the shards).
       regenerated_only: leave out the standard-library source shards.
     """
-    manifest_path = folder / "manifest.json"
-    if not manifest_path.is_file():
-        raise InputError(f"{folder} holds no finished dataset; run the regenerate stage first")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_manifest(folder, "holds no finished dataset; run the regenerate stage first")
     store = Store(Path(manifest["store"]), "responses", ".npz")
     keys = manifest["shards"] + ([] if regenerated_only else manifest["source_shards"])
     samples = []

@@ -68,7 +68,7 @@ def block_loss(
       w, cfg: the draft (`w.vocab_ids`: the draft vocabulary, or None for all V).
       embed_vd, head_vd: the target's embedding and LM head, both [V, D].
       draft_index_v: int32 [V], each target id's index among the draft's scored ids, -1 where it has none.
-      rows: packed rows, int32 [B, T] each (train/batches.py).
+      rows: packed rows, int32 [B, T] each (specjax/train/batches.py).
       taps_btf: the target's features at the draft's taps [B, T, F] (stop-gradient).
       anchors_bn, ok_bn: N block anchors per row and which of them count (`pick_anchors`).
       gamma: the decay of the position weights.

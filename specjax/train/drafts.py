@@ -1,8 +1,8 @@
 """What the trainer trains: a draft's trainable weights, their logical axes, its loss, and the draft they export to.
 
-The trainer (train/trainer.py) owns the mesh, the optimizer, the step and the checkpoints; a draft here only says
+The trainer (specjax/train/trainer.py) owns the mesh, the optimizer, the step and the checkpoints; a draft here only says
 what its weights are and how a batch scores them. Both losses read the target's features at the draft's taps
-followed by the target's final residual stream (train/features.py), stored or computed in the step.
+followed by the target's final residual stream (specjax/train/features.py), stored or computed in the step.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from specjax.train.ttt import ttt_loss
 
 
 class Eagle3Training:
-    """An EAGLE-3 head under the training-time-test loss (train/ttt.py)."""
+    """An EAGLE-3 head under the training-time-test loss (specjax/train/ttt.py)."""
 
     def __init__(self, head: Eagle3Head, target_cfg: ModelConfig, training: TrainingSection):
         self.graphdef, self.params, self.buffers = nnx.split(head, nnx.Param, ...)
@@ -52,7 +52,7 @@ class Eagle3Training:
 
 
 class DFlashTraining:
-    """A DFlash draft under the block loss (train/dflash_loss.py); `export` gives (config, weights), the draft
+    """A DFlash draft under the block loss (specjax/train/dflash_loss.py); `export` gives (config, weights), the draft
     vocabulary in `weights.vocab_ids` as it came in."""
 
     def __init__(

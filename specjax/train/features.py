@@ -1,11 +1,11 @@
 """Stage 3 (features): the frozen target's features of every packed training row, computed once and stored.
 
-A row's features are the target residual streams the head reads (its tap layers) followed by the final residual
+A row's features are the target residual streams the draft reads (its tap layers) followed by the final residual
 stream, from which the step computes the labels (the target's logits over the draft vocabulary): [T, (n + 1) * D].
 They are stored as bfloat16 with the packed rows in numbered chunk files (`.npz`, no pickle), each written
-atomically, so an interrupted stage resumes at the first missing chunk. Training then runs the head alone, several
-times faster per epoch on a CPU; with `training.features: online` the step computes the same features itself (no
-disk, for targets whose features would not fit).
+atomically, so an interrupted stage resumes at the first missing chunk, and a manifest naming the rows and layers
+they hold. Training then runs the draft alone, without the target's forward; with `training.features: online` the
+step computes the same features itself (no disk, for targets whose features would not fit).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.train.batches import ROW_KEYS, sample_causal_mask
+from specjax.train.store import read_manifest
 
 CHUNK_ROWS = 64
 FORWARD_ROWS = 8  # rows per target forward
@@ -44,7 +45,7 @@ def target_features(
     Args:
       weights, cfg: the target.
       layers: tap ids (`feature_layers`).
-      rows: int32 [B, T] "tokens", "positions", "segments" (train/batches.py).
+      rows: int32 [B, T] "tokens", "positions", "segments" (specjax/train/batches.py).
     Returns:
       [B, T, len(layers) * D] in the target's dtype.
     """
@@ -100,10 +101,7 @@ def compute_features(
 
 def load_features(folder: Path, layers: tuple[int, ...], seq_len: int) -> dict[str, np.ndarray]:
     """The packed rows and their features ("features": bfloat16 [R, T, F]) of a finished features stage."""
-    manifest = folder / "manifest.json"
-    if not manifest.is_file():
-        raise InputError(f"{folder} holds no features; run the features stage first")
-    settings = json.loads(manifest.read_text())
+    settings = read_manifest(folder, "holds no features; run the features stage first")
     if settings["seq_len"] != seq_len or settings["layers"] != list(layers):
         raise InputError(
             f"{folder} holds features for seq_len {settings['seq_len']} and layers {settings['layers']}, "

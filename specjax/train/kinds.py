@@ -1,8 +1,8 @@
 """The kinds of draft a run trains (`model.drafter`): one `DraftKind` record each, holding everything that differs
 between them, from the draft's shape to the lines of its model card.
 
-`draft_kind` is the one place a kind is looked up by name; the pipeline (train/run.py) and the model card
-(train/model_card.py) call the record's pieces and never compare names. Between the stages a draft travels in its
+`draft_kind` is the one place a kind is looked up by name; the pipeline (specjax/train/run.py) and the model card
+(specjax/train/model_card.py) call the record's pieces and never compare names. Between the stages a draft travels in its
 exported form: an Eagle3Head, or a DFlash (config, weights) pair with the draft vocabulary in `weights.vocab_ids`.
 """
 
@@ -50,7 +50,7 @@ class DraftKind:
     load: Callable[[Path, ModelConfig], Any]  # an exported draft from its folder, made for the target
     config: Callable[[Any], Any]  # a draft's config
     vocab_size: Callable[[Any, ModelConfig], int]  # the number of target tokens a draft scores
-    training: Callable[[Any, TrainConfig, ModelConfig], Any]  # a draft under its loss (train/drafts.py)
+    training: Callable[[Any, TrainConfig, ModelConfig], Any]  # a draft under its loss (specjax/train/drafts.py)
     check_rows: Callable[[TrainConfig, dict], None]  # raises InputError for training rows the kind cannot learn
     export: Callable[[Path, Any], None]  # writes a draft's folder (config.json + model.safetensors) in bfloat16
     evaluation_drafters: Callable[[Any, Weights], list[EvaluationDrafter]]  # the evaluate stage's modes
@@ -223,7 +223,7 @@ DFLASH = DraftKind(
 )  # fmt: skip
 
 DRAFT_KINDS = {kind.name: kind for kind in (EAGLE3, DFLASH)}
-assert DRAFT_KINDS.keys() == DRAFTERS.keys(), "train/config.py's DRAFTERS names the kinds of DRAFT_KINDS"
+assert DRAFT_KINDS.keys() == DRAFTERS.keys(), "specjax/train/config.py's DRAFTERS names the kinds of DRAFT_KINDS"
 
 
 def draft_kind(cfg: TrainConfig) -> DraftKind:

@@ -8,7 +8,9 @@ train      -> train/     orbax checkpoints + metrics.jsonl
 evaluate   -> eval.json  mean accepted length on held-out prompts, by real speculative decoding
 export     -> export/    the draft's folder (config.json + model.safetensors + README.md)
 
-What differs between the kinds of draft (`model.drafter`) comes from the run's `DraftKind` (train/kinds.py).
+output_dir/config.json records the run's settings; a later run on the same folder must agree with them
+(`check_record`). What differs between the kinds of draft (`model.drafter`) comes from the run's `DraftKind`
+(specjax/train/kinds.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from specjax.train.data import load_prompts, load_samples, reference_responses, 
 from specjax.train.features import compute_features, feature_layers, load_features
 from specjax.train.kinds import DRAFT_KINDS, draft_kind
 from specjax.train.model_card import model_card
+from specjax.train.store import read_manifest
 from specjax.train.synthesize import synthesize
 from specjax.train.trainer import Trainer, checkpoint_manager, restore_latest, train
 from specjax.train.vocab import assistant_token_counts, coverage, load_vocab, save_vocab, vocab_from_counts
@@ -112,7 +115,7 @@ def init_from_folder(cfg: TrainConfig) -> Path:
 
 def initial_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[Any, Any]:
     """The `training.init_from` draft, which must have the run's shape (raises InputError): (its config, the
-    draft in its exported form, train/kinds.py)."""
+    draft in its exported form, specjax/train/kinds.py)."""
     kind = draft_kind(cfg)
     try:
         draft = kind.load(init_from_folder(cfg), model.cfg)
@@ -212,7 +215,7 @@ def stage_vocab(cfg: TrainConfig, model: LoadedModel) -> None:
 
 
 def packed_rows(cfg: TrainConfig) -> dict:
-    """The regenerated samples packed into training rows (train/batches.py)."""
+    """The regenerated samples packed into training rows (specjax/train/batches.py)."""
     return pack(load_samples(cfg.output_path / "data"), cfg.training.seq_len)
 
 
@@ -275,7 +278,7 @@ def evaluation_set(cfg: TrainConfig, name: str) -> list[str]:
 
 
 def trained_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[int, Any]:
-    """(step, draft) of the latest intact checkpoint, the draft in its exported form (train/kinds.py) gathered to
+    """(step, draft) of the latest intact checkpoint, the draft in its exported form (specjax/train/kinds.py) gathered to
     host memory. Before any checkpoint, a run with `training.init_from` gives its starting draft (step 0), so the
     evaluate stage measures the draft it continues with the run's own settings."""
     trainer = build_trainer(cfg, model)
@@ -318,7 +321,11 @@ def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
                 h = out.stats.accepted_histogram
                 hist = h if hist is None else [a + b for a, b in zip(hist, h)]
             mean_accepted, by_position = acceptance(hist)
-            result[name] = {"drafts": description, "mean_accepted": mean_accepted, "acceptance_by_position": by_position}
+            result[name] = {
+                "drafts": description,
+                "mean_accepted": mean_accepted,
+                "acceptance_by_position": by_position,
+            }
             print(f"{set_name} {name}: mean accepted length {mean_accepted:.2f}", file=sys.stderr)
         report["sets"][set_name] = result
     if jax.process_index() == 0:
@@ -334,7 +341,7 @@ def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
     if jax.process_index() == 0:  # one writer
         kind.export(folder, draft)
         out = cfg.output_path
-        manifest = json.loads((out / "data" / "manifest.json").read_text())
+        manifest = read_manifest(out / "data", "holds no finished dataset; run the regenerate stage first")
         vocab = _json_if_present(out / "vocab.json")
         coverage = vocab["coverage"] if vocab else None
         evaluation = _json_if_present(out / "eval.json")

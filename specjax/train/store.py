@@ -3,7 +3,8 @@ determines its content (the target, the inputs, the generation settings).
 
 A run skips every unit whose file exists, so an interrupted run resumes where it stopped, a larger run reuses the
 units of a smaller one, and a store committed beside a config lets a later run retrain without generating again.
-Files are written atomically (temporary file, then rename): a killed run never leaves a partial unit.
+Files are written atomically (temporary file, then rename): a killed run never leaves a partial unit. A stage's
+output folder is finished when it holds its manifest.json (`read_manifest`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from specjax.errors import InputError
 from specjax.io.loading import LoadedModel
 
 
@@ -58,3 +60,11 @@ class Store:
         tmp = self.folder / f".{key}.{os.getpid()}.tmp"
         write(tmp)
         os.replace(tmp, self.path(key))
+
+
+def read_manifest(folder: Path, missing: str) -> dict:
+    """The manifest.json of a finished stage's folder; InputError "{folder} {missing}" when it has none."""
+    path = folder / "manifest.json"
+    if not path.is_file():
+        raise InputError(f"{folder} {missing}")
+    return json.loads(path.read_text())

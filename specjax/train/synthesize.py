@@ -2,8 +2,8 @@
 
 The chat template is rendered up to the start of a user turn, and the target samples the user's message until the
 end of the turn. A short system hint (a domain and a topic, from the table below) steers each row, so the prompts
-cover every domain in turn. The raw generations are stored per batch in the content-addressed store (train/store.py);
-the filters (train/filters.py) then keep prompts in batch order until `synthesize.num_prompts` are kept, generating
+cover every domain in turn. The raw generations are stored per batch in the content-addressed store (specjax/train/store.py);
+the filters (specjax/train/filters.py) then keep prompts in batch order until `synthesize.num_prompts` are kept, generating
 further batches only when the stored ones do not suffice. Output: `prompts/synthetic.jsonl` and
 `prompts/manifest.json` (what was generated, kept, and why the rest was dropped).
 """

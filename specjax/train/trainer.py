@@ -1,4 +1,4 @@
-"""Stage 4 (train): the sharded, jitted step of a draft's loss (train/drafts.py), orbax checkpoints, exact resume,
+"""Stage 4 (train): the sharded, jitted step of a draft's loss (specjax/train/drafts.py), orbax checkpoints, exact resume,
 metrics.
 
 The step reads the target's features from the batch (stored by the features stage), or with `training.features:
@@ -76,7 +76,7 @@ def to_global(host: np.ndarray | jax.Array, sharding: NamedSharding) -> jax.Arra
 
 
 class Trainer:
-    """Owns the mesh placement and the compiled step of one training run of a draft (train/drafts.py)."""
+    """Owns the mesh placement and the compiled step of one training run of a draft (specjax/train/drafts.py)."""
 
     def __init__(self, cfg: TrainConfig, target_cfg, target_weights: Weights, draft, mesh: Mesh):
         self.cfg, self.target_cfg, self.draft, self.mesh = cfg, target_cfg, draft, mesh

@@ -1,6 +1,6 @@
 """The EAGLE-3 training-time-test (TTT) loss: K unrolled draft steps against the frozen target's distribution.
 
-Rows are packed (train/batches.py): several samples per row, each with its own positions p and segment id.
+Rows are packed (specjax/train/batches.py): several samples per row, each with its own positions p and segment id.
 
 Alignment (x = token ids, F = target tap features, Z = target logits over the draft vocabulary, Z[t] predicts
 x[t+1]): step k, row t: embedding of x[t+1+k], feature F[t] at k = 0 else the head's own previous output, rotary
@@ -90,7 +90,7 @@ def ttt_loss(
       head: the draft head (its trainable weights are what the loss is differentiated by).
       target_embed_vd: the target's embedding [V, D], used when the head has none of its own.
       rows: packed rows, int32 [B, T] each: "tokens", "loss_mask" (1 where assistant content), "positions",
-        "segments" (see train/batches.py).
+        "segments" (see specjax/train/batches.py).
       taps_btf: the target's tap features [B, T, n*Ht] (stop-gradient).
       target_logits_btv: the target's logits over the draft vocabulary [B, T, Vd] (stop-gradient).
       ttt_length: K, the number of unrolled steps.
