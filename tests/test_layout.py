@@ -1,0 +1,108 @@
+"""The package's shape: one installed package, its wings stacked with arrows only downward, and no import circle."""
+
+import ast
+import importlib.util
+from importlib.metadata import distribution
+from pathlib import Path
+
+import specjax
+
+ROOT = Path(specjax.__file__).parent
+# Bottom to top. A module may import modules of its own layer or below, never above: the command line is the top
+# wing, and the front door (`specjax/__init__.py`) re-exports from everything but it.
+LAYERS = [
+    "specjax.errors",
+    "specjax.host",
+    "specjax.config",
+    "specjax.sampling",
+    "specjax.models",
+    "specjax.io",
+    "specjax.evalsets",
+    "specjax.sharding",
+    "specjax.drafters",
+    "specjax.adaptive",
+    "specjax.decoding",
+    "specjax.measure",
+    "specjax.train",
+    "specjax",
+    "specjax.cli",
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every specjax module the file imports, at module level or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "specjax"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "specjax":
+            for alias in node.names:  # `from specjax.x import y` imports the module specjax.x.y where y is one
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if is_module(sub) else node.module)
+    return found
+
+
+def layer(name: str) -> int:
+    """The layer of the longest prefix of `name` in LAYERS."""
+    matches = [i for i, prefix in enumerate(LAYERS) if name == prefix or name.startswith(prefix + ".")]
+    return max(matches, key=lambda i: len(LAYERS[i]))
+
+
+GRAPH = {module_name(p): imports_of(p) for p in ROOT.rglob("*.py")}
+
+
+def test_every_module_is_in_a_layer():
+    assert all(name == "specjax" or layer(name) != LAYERS.index("specjax") for name in GRAPH), [
+        name for name in GRAPH if name != "specjax" and layer(name) == LAYERS.index("specjax")
+    ]
+
+
+def test_imports_only_point_down_and_the_cli_is_imported_by_nothing():
+    upward = [(a, b) for a, targets in GRAPH.items() for b in targets if layer(b) > layer(a)]
+    assert not upward, upward
+    into_cli = [(a, b) for a, targets in GRAPH.items() for b in targets if layer(b) == LAYERS.index("specjax.cli")]
+    assert all(layer(a) == LAYERS.index("specjax.cli") for a, _ in into_cli), into_cli
+
+
+def test_the_import_graph_has_no_cycle():
+    state: dict[str, str] = {}
+
+    def visit(name: str, stack: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(GRAPH.get(name, ())):
+            if state.get(target) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(target) :] + [target]))
+            if target not in state:
+                visit(target, [*stack, target])
+        state[name] = "done"
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_the_layout_check_sees_an_upward_import():
+    """The checker itself: a drafter importing the loop would be caught."""
+    assert layer("specjax.decoding.speculative") > layer("specjax.drafters.eagle3")
+    assert layer("specjax.cli.bench") > layer("specjax") > layer("specjax.train.run")
+    assert "specjax.decoding.speculative" in GRAPH["specjax.measure.timing"]
+
+
+def test_only_specjax_is_installed_and_the_scripts_live_in_its_cli():
+    dist = distribution("specjax")
+    assert dist.read_text("top_level.txt").split() == ["specjax"]
+    scripts = {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"}
+    assert set(scripts) == {"specjax-generate", "specjax-bench", "specjax-train"}
+    assert all(value.startswith("specjax.cli.") for value in scripts.values())
