@@ -90,7 +90,7 @@ def runs():
 @pytest.mark.parametrize("mode", ["chain", "tree", "lookup", "lookup-longer"])
 def test_greedy_batch_identical_to_autoregressive(mode, runs, ar_batch):
     out = runs[mode]
-    got = [list(np.asarray(out.out_bn[i, : out.num_new_b[i]])) for i in range(len(PROMPTS))]
+    got = [list(np.asarray(out.out_bn[i, : out.state.num_new_b[i]])) for i in range(len(PROMPTS))]
     assert got == ar_batch
 
 

@@ -92,7 +92,7 @@ def test_check_fits_names_the_largest_batch():
 def test_a_run_that_does_not_fit_is_refused_in_one_line(main, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli, "device_memory", lambda: 40 * 2**20)  # the tiny model's weights take 25 MiB
     for loops in (ar_loop, spec):  # nothing compiles
-        monkeypatch.setattr(loops, "_compiled", lambda *a: pytest.fail("compiled"))
+        monkeypatch.setattr(loops, "compiled", lambda *a: pytest.fail("compiled"))
     argv = ["--model", "tiny-random", *["--prompt", "Hi"] * 8, "--batch-size", "8", "--max-new-tokens", "1000"]
     if main is bench.entry:
         argv += ["--modes", "ar,ngram", "--out-dir", str(tmp_path)]

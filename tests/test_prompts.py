@@ -23,7 +23,7 @@ def test_builtin_prompts_are_deterministic_and_never_humaneval():
 def test_builtin_prompts_are_the_same_in_every_process():
     """Stubs whose defaults are objects (addresses in their repr) or os.environ (the environment) show `...`, so a
     fresh process, with other addresses and another environment, writes the same prompts (and finds its store units)."""
-    code = "from train.prompts import builtin_prompts; print(hash(tuple(builtin_prompts(0))))"
+    code = "from specjax.train.prompts import builtin_prompts; print(hash(tuple(builtin_prompts(0))))"
     env = {"PYTHONHASHSEED": "0", "PATH": "/usr/bin:/bin"}
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "EXTRA": str(i)},
                            check=True).stdout for i in range(2)}  # fmt: skip

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from specjax.train import scaling
+from specjax.cli import scaling
 
 SMOKE = Path(__file__).resolve().parent.parent / "configs" / "smoke.yaml"
 
