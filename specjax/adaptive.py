@@ -146,9 +146,7 @@ class Adaptive:
         rate_b = jnp.take_along_axis(rates(self, state.tally_brc), regime_b[:, None], axis=1)[:, 0]
         return choose(self, depths, rate_b, paces(state.pace_b2), remaining_b)
 
-    def observe(
-        self, state: AdaptiveState, entry: int, depth: int, regime_b, n_b, count_b, running_b
-    ) -> AdaptiveState:
+    def observe(self, state: AdaptiveState, entry: int, depth: int, regime_b, n_b, count_b, running_b) -> AdaptiveState:
         """The state after a round of menu entry `entry` (static), `depth` deep, that accepted n_b drafts and emitted
         count_b tokens in each running row."""
         return AdaptiveState(

@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from specjax.measure import bandwidth, calibration
 from specjax.cli import bench
+from specjax.measure import bandwidth, calibration
 
 
 def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):

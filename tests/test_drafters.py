@@ -88,7 +88,9 @@ def truncated(n):
 @functools.partial(jax.jit, static_argnames=("k",))
 def propose(drafter, tokens_bs, length_b, key, k, sampling):
     state = drafter.init(tokens_bs, length_b - 1, tokens_bs.shape[1] + k + 2)
-    return drafter.propose_chain(state, tokens_bs, length_b, key, num_draft_tokens=k, vocab_size=64, sampling=sampling)[:2]
+    return drafter.propose_chain(state, tokens_bs, length_b, key, num_draft_tokens=k, vocab_size=64, sampling=sampling)[
+        :2
+    ]
 
 
 @pytest.mark.parametrize(

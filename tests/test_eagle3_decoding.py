@@ -15,12 +15,12 @@ from flax import nnx
 
 import specjax.decoding.speculative as spec
 from specjax.adaptive import Fixed
-from specjax.decoding import acceptance
-from specjax.drafters import tree as tree_mod
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding import acceptance
 from specjax.decoding.autoregressive import generate as ar_generate
 from specjax.decoding.batch import pack_prompts
 from specjax.drafters import Eagle3Drafter, LookupFirstDrafter, drafter_from_spec, with_lookup_tokens
+from specjax.drafters import tree as tree_mod
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
@@ -329,7 +329,9 @@ def test_lookup_first_fallback_drafting_fewer_tokens_repeats_its_last_draft():
     state = d.commit(d.init(tokens, lengths, 16), tokens[:, 1:], jnp.ones((2, 5, 3 * CFG.hidden_size)), lengths - 1)
     options = dict(vocab_size=CFG.vocab_size, sampling=Sampling.of(SamplingConfig()))
     draft, probs, _ = d.propose_chain(state, tokens, lengths, jax.random.key(0), num_draft_tokens=3, **options)
-    alone, alone_probs, _ = fallback.propose_chain(state, tokens, lengths, jax.random.key(0), num_draft_tokens=1, **options)
+    alone, alone_probs, _ = fallback.propose_chain(
+        state, tokens, lengths, jax.random.key(0), num_draft_tokens=1, **options
+    )
     assert draft[0].tolist() == [9, 4, 7]  # the lookup proposes all 3
     assert draft[1].tolist() == [int(alone[1, 0])] * 3
     np.testing.assert_array_equal(probs[1, 0], alone_probs[1, 0])

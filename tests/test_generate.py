@@ -5,10 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.decoding import autoregressive as gen
-from specjax.decoding import batch
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding import speculative
+from specjax.decoding import autoregressive as gen
+from specjax.decoding import batch, speculative
 from specjax.drafters import NgramDrafter
 from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache

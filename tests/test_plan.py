@@ -9,7 +9,6 @@ import pytest
 import specjax.decoding.autoregressive as ar_loop
 import specjax.decoding.speculative as spec
 from specjax.adaptive import Fixed
-from specjax.measure import memory as plan
 from specjax.cli import bench
 from specjax.cli import common as cli
 from specjax.cli import generate as generate_cli
@@ -18,6 +17,7 @@ from specjax.decoding.autoregressive import decode
 from specjax.drafters import Eagle3Drafter
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
+from specjax.measure import memory as plan
 from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
 from specjax.models.llama import init_weights
 from specjax.sampling import Sampling

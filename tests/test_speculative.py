@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import specjax.decoding.speculative as spec
-from specjax.decoding import acceptance
+from specjax.adaptive import Fixed
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding import acceptance
 from specjax.decoding.autoregressive import generate as ar_generate
 from specjax.decoding.batch import pack_prompts
-from specjax.adaptive import Fixed
 from specjax.drafters import ChainDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
 from specjax.drafters.tree import DraftTree
 from specjax.errors import InputError

@@ -57,7 +57,9 @@ class ModeRun:
     histogram: list[int] | None = None  # speculative modes: row-rounds that accepted 0..K drafts, summed
     rounds: int = 0
     rounds_by_drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # speculative modes
-    breakdown: dict | None = None  # speculative modes with a fixed K: where a round's time goes (specjax.measure.timing)
+    breakdown: dict | None = (
+        None  # speculative modes with a fixed K: where a round's time goes (specjax.measure.timing)
+    )
     forwards: int = 0  # target forwards, each reading every weight once: the prefill, then a step or a round
     repeats: int = 1  # times every batch was timed; the statistics and outputs are those of one pass
     learned: dict | None = None  # adaptive modes: the prior per kind of round and the loop's gain, after the run

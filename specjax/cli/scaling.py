@@ -61,7 +61,9 @@ def plot(points: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = cli.ArgumentParser(prog="python -m specjax.cli.scaling", description=__doc__, formatter_class=cli.RawDescription)
+    p = cli.ArgumentParser(
+        prog="python -m specjax.cli.scaling", description=__doc__, formatter_class=cli.RawDescription
+    )
     p.add_argument("--config", type=Path, required=True)
     p.add_argument("--fractions", type=fractions, required=True, help="fractions of the training rows, e.g. 0.25,1")
     p.add_argument("--epochs", type=float, required=True, help="epochs of every run (the same steps per token)")

@@ -160,5 +160,3 @@ def generate(
     out, num_new = jax.device_get(executable(*args))
     seconds = time.perf_counter() - t0
     return GenerateResult(completions(req.row_prompts, out, num_new, req.eos), seconds, compile_seconds)
-
-

@@ -137,7 +137,9 @@ class Eagle3Drafter(ChainDrafter):
         )  # fmt: skip
         return logits[:, 0], g[:, 0]
 
-    def propose_chain(self, state: Eagle3State, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
+    def propose_chain(
+        self, state: Eagle3State, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling
+    ):
         """Chain drafting: draft 1 from the stored logits, then K - 1 cached steps on the head's own output."""
         head = self.head
         keys = jax.random.split(key, num_draft_tokens)
@@ -167,7 +169,9 @@ class Eagle3Drafter(ChainDrafter):
         """Grows a draft tree (`specjax.drafters.tree`), or drafts a chain without one. Node t >= 1 writes its head KV
         at slot c + t - 1 when expanded."""
         if self.tree is None:
-            return super().propose(state, tokens_bs, length_b, key, shape=shape, vocab_size=vocab_size, sampling=sampling)
+            return super().propose(
+                state, tokens_bs, length_b, key, shape=shape, vocab_size=vocab_size, sampling=sampling
+            )
         pending_b = pending_tokens(tokens_bs, length_b)
         head = self.head
         cfg = head.cfg

@@ -144,9 +144,7 @@ def drafter_timer(
     @jax.jit
     def one_round(drafter, state, key):
         state = drafter.commit(state, tokens[:, :path], jnp.ones((batch, path, taps)), jnp.full((batch,), path - 1))
-        return drafter.propose(
-            state, tokens, lengths + 1, key, shape=shape, vocab_size=cfg.vocab_size, sampling=rows
-        )
+        return drafter.propose(state, tokens, lengths + 1, key, shape=shape, vocab_size=cfg.vocab_size, sampling=rows)
 
     return lambda: one_round(drafter, state, jax.random.key(1))
 
