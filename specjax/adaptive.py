@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 
 # The draft sizes a chain drafter's default menu offers (up to its largest K), a row's acceptance rate before it has
@@ -207,9 +208,14 @@ def choose(adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, pace_b:
     return jnp.argmin(adaptive.cost + jnp.stack(after)).astype(jnp.int32)
 
 
+def menu_shapes(drafter: Any, menu: Sequence[int]) -> list[TreeSpec]:
+    """Each menu entry's draft: the drafter's `draft_shape(k)`, and for 0 the plain step, `TreeSpec.chain(0)`."""
+    return [drafter.draft_shape(k) if k else TreeSpec.chain(0) for k in menu]
+
+
 def menu_depths(drafter: Any, menu: Sequence[int]) -> list[int]:
     """The depth of each menu entry's draft (0: the plain step)."""
-    return [drafter.draft_shape(k).depth if k else 0 for k in menu]
+    return [shape.depth for shape in menu_shapes(drafter, menu)]
 
 
 def never_drafts(adaptive: Adaptive, depths: Sequence[int]) -> bool:

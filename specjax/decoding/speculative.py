@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.adaptive import Adaptive, Fixed, Policy
+from specjax.adaptive import Adaptive, Fixed, Policy, menu_depths, menu_shapes
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.acceptance import accept
 from specjax.decoding.autoregressive import GenerateResult, prefill
@@ -244,7 +244,7 @@ def speculative_decode(
       eos_ids: static; a row stops after producing one of these.
       num_samples: static; rows per prompt (adjacent), sharing the prompt's target prefill.
     """
-    shapes = tuple(drafter.draft_shape(k) if k else TreeSpec.chain(0) for k in policy.menu)
+    shapes = tuple(menu_shapes(drafter, policy.menu))
     loop = Loop(weights, drafter, policy, sampling, cfg, shapes, max_new_tokens, eos_ids)
     state, prompt_lengths_b = start(loop, tokens_up, lengths_u, key, active_b, num_samples)
     rounds = [functools.partial(draft_verify_accept, loop, entry) for entry in range(len(shapes))]
@@ -344,7 +344,7 @@ def generate(
     """
     policy = as_policy(num_draft_tokens)
     check_inputs(cfg, drafter, policy)
-    depths = [drafter.draft_shape(k).depth if k else 0 for k in policy.menu]
+    depths = menu_depths(drafter, policy.menu)
     if policy.never_drafts(depths):
         plain = plain_generate(
             weights, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,

@@ -20,13 +20,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.adaptive import Adaptive
+from specjax.adaptive import Adaptive, menu_shapes
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import decode, prefill
 from specjax.decoding.batch import compiled, prompt_bucket
 from specjax.decoding.speculative import speculative_decode
 from specjax.drafters.base import Drafter
-from specjax.drafters.tree import TreeSpec
 from specjax.measure.speedup import acceptance_rate_from_mean, expected_tokens_per_round
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward_new_kv
@@ -179,7 +178,7 @@ def loop_seconds(
     regimes = drafter.traits.regimes
     spec_args = [(weights, drafter, Adaptive.forcing(menu, e, regimes), *ar_args[1:]) for e in range(len(menu))]
     loop = compiled(speculative_decode, spec_args[0], static)[0]
-    capacity = max((drafter.draft_shape(k) if k else TreeSpec.chain(0)).capacity for k in menu)
+    capacity = max(shape.capacity for shape in menu_shapes(drafter, menu))
     slots = tokens.shape[1] + new_tokens + capacity
 
     timed = [prefill_timer(weights, cfg, tokens, slots, lengths), lambda: ar(*ar_args)]
