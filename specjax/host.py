@@ -1,4 +1,5 @@
-"""Facts about the host that every layer may read: the device's identity, the cache folder, cached measurements.
+"""Facts about the host that every layer may read: the device's identity, the cache folder, cached measurements,
+and the status lines of long steps.
 
 The ground floor: it imports nothing else from specjax. A measurement is cached under a key that names the device
 (`machine`) and everything else it depends on, so a figure taken on one machine is never read on another.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 from collections.abc import Callable
@@ -19,6 +21,22 @@ import jax
 # The vector extensions that decide a CPU's matmul speed. Cloud CPUs often share one model name ("AMD EPYC")
 # across generations that differ 2-3x per token, so the key names them too.
 CPU_ISA_MARKERS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "asimd", "sve")
+
+
+# Steps that take more than a few seconds (loading, converting, compiling, calibrating) say so on stderr, one line
+# each, through the "specjax" logger: `logging.getLogger("specjax").setLevel(logging.WARNING)` silences them.
+log = logging.getLogger("specjax")
+if not log.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[%(message)s]"))
+    log.addHandler(_handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def status(message: str) -> None:
+    """One line on stderr saying what a long step is doing (see `log`)."""
+    log.info(message)
 
 
 def cache_dir() -> Path:

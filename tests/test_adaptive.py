@@ -251,7 +251,7 @@ def test_the_prior_and_the_track_record_learn_from_earlier_calls_without_compili
     again = learned.learn(call([(0, 10), (0, 0)], [10, 0, 0], 9))  # plain steps alone: 10 against 9 steps
     assert np.allclose(again.prior, [(12 + 2) / 40, 0.6])  # pooled: 2 of 20 tried
     assert np.allclose(again.track_record, [21, 21.8]) and adaptive_mod.never_drafts(again, [0, 1, 2])
-    assert again.summary() == {"prior": [0.35, 0.6], "loop_gain": round(21 / 21.8, 3)}
+    assert again.summary() == {"prior": [0.35, 0.6], "cost": {0: 0.9, 1: 1.2, 2: 1.4}, "loop_gain": round(21 / 21.8, 3)}
     assert menu.learn(call([], [5, 0, 0], 5)) is menu  # plain decoding ran: nothing tried, no loop
 
     kw = dict(drafter=NgramDrafter(max_n=2), max_new_tokens=MAX_NEW, eos_ids=())
@@ -288,7 +288,8 @@ def test_calibration_times_each_entry_alone_in_the_loop_decoding_compiles(monkey
 def test_only_entries_that_can_win_are_kept():
     assert useful_entries((0, 1, 2), (0, 1, 2), [1.0, 5.0, 1.2]) == [0, 2]  # one draft never beats both
     assert useful_entries((0, 3), (0, 3), [1.0, 1.5]) == [0, 1]
-    assert useful_entries((0, 3), (0, 3), [1.0, 4.5]) == [0]  # 4 tokens at most cannot repay 4.5 steps
+    assert useful_entries((0, 1, 3), (0, 1, 3), [1.0, 5.0, 4.5]) == [0, 2]  # neither wins, but the deepest stays:
+    # a round of it is timed, which corrects an estimate that was too high
 
 
 def test_measured_costs_are_fitted_non_decreasing():
@@ -297,28 +298,86 @@ def test_measured_costs_are_fitted_non_decreasing():
     assert non_decreasing([2.0, 1.0, 0.0]) == pytest.approx([1.0, 1.0, 1.0])  # one pool: the mean
 
 
-def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch):
+def test_calibration_is_measured_once_per_machine_batch_and_menu_then_read(tmp_path, monkeypatch):
+    """Seconds of a plain step, of the prefill per token and of each entry's round; costs in plain steps; keyed by
+    what changes them (the batch, XLA's flags), not by the prompt or the tokens to generate."""
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     drafter = NgramDrafter(max_n=2)
-    kw = dict(batch=2, context=16, sampling=SamplingConfig())
+    kw = dict(batch=2, sampling=SamplingConfig())
     first = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
     (record,) = tmp_path.glob("calibration/*.json")
     measured = json.loads(record.read_text())
-    assert measured["menu"] == [0, 1, 2, 3, 5] and all(c > 0 for c in measured["value"])  # in plain steps
-    assert first.menu and set(first.menu) <= set(measured["menu"])  # the entries that win at some rate
-    import specjax.measure.timing as calibrate
+    timed = measured["value"]
+    assert measured["menu"] == [0, 1, 2, 3, 5] and len(timed["round_s"]) == 5
+    assert timed["round_s"][0] == timed["step_s"] > 0 and min(timed["round_s"]) >= timed["step_s"]
+    assert first.menu and set(first.menu) <= set(measured["menu"]) and first.menu[-1] == 5  # the deepest stays
+    assert np.allclose(first.clock, [timed["step_s"], timed["prefill_token_s"]])
+    import specjax.measure.calibration as calibration
 
     def measured_again(*a, **k):
         raise RuntimeError("measured again")
 
-    monkeypatch.setattr(calibrate, "interleaved_medians", measured_again)
+    monkeypatch.setattr(calibration, "interleaved_medians", measured_again)
     again = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
     assert again.menu == first.menu and np.allclose(again.cost, first.cost)
     with pytest.raises(RuntimeError, match="measured again"):  # another batch size is another cost: measured
-        calibrated(WEIGHTS, CFG, drafter, 5, batch=3, context=16, sampling=SamplingConfig())
+        calibrated(WEIGHTS, CFG, drafter, 5, batch=3, sampling=SamplingConfig())
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
     with pytest.raises(RuntimeError, match="measured again"):  # so is another XLA setting
         calibrated(WEIGHTS, CFG, drafter, 5, **kw)
+
+
+def timed_call(rounds: dict, seconds: float, evidence=((0.0, 1.0),), plain_steps: int = 60, prompt_tokens: int = 64):
+    """The statistics `learn` reads of a call that ran `rounds` of each menu entry in `seconds`."""
+    stats = SpecStats.from_histogram(sum(rounds.values()), [1], 1, seconds)
+    return dataclasses.replace(
+        stats, rounds_by_drafts=rounds, acceptance_evidence=list(evidence), plain_steps=plain_steps,
+        prompt_tokens=prompt_tokens,
+    )  # fmt: skip
+
+
+def test_measured_costs_are_checked_by_a_drafting_call_then_follow_the_timed_rounds():
+    """Estimates 3x too high would keep every round plain, so nothing would ever time a drafting round: until one is
+    timed, drafting entries are priced at one plain step and the first call drafts. Its wall time, less the prefill,
+    against its rounds' estimates moves the costs; an entry that did not run moves with it."""
+    step_s, token_s = 0.01, 0.001
+    menu = Adaptive.of((0, 2, 5), [1.0, 3.3, 4.5], clock=(step_s, token_s))  # the rounds truly cost 1.1 and 1.5
+    depths = [0, 2, 5]
+    assert np.allclose(menu.prices, [1.0, 1.0, 1.0]) and not adaptive_mod.never_drafts(menu, depths)
+    assert adaptive_mod.never_drafts(Adaptive.of((0, 2, 5), [1.0, 3.3, 4.5]), depths)  # given costs: taken as given
+    prefill_s = step_s + 63 * token_s
+    learned = menu.learn(timed_call({0: 0, 2: 0, 5: 20}, prefill_s + 20 * 1.5 * step_s))
+    assert np.allclose(learned.cost, [1.0, 1.1, 1.5], rtol=1e-5) and np.allclose(learned.timed, [0, 0, 20])
+    assert np.allclose(learned.prices, learned.cost)  # checked: the costs as they are
+    assert np.allclose(learned.track_record, [60, 30], rtol=1e-5)  # 60 plain steps' tokens in 30 steps' time
+    steady = learned.learn(timed_call({0: 4, 2: 10, 5: 10}, prefill_s + (4 * 1.0 + 10 * 1.1 + 10 * 1.5) * step_s))
+    assert np.allclose(steady.cost, learned.cost, rtol=1e-4)  # rounds that cost what was estimated: no change
+    slower = learned.learn(timed_call({0: 0, 2: 0, 5: 20}, prefill_s + 20 * 2.0 * step_s))
+    assert slower.cost[2] == pytest.approx(1.5 * (2.0 / 1.5) ** 0.5, rel=1e-4)  # half its rounds say 2.0
+    assert slower.cost[1] == pytest.approx(1.1 * 2.0 / 1.5, rel=1e-5)  # never run itself: it follows the call
+    wild = menu.learn(timed_call({0: 0, 2: 0, 5: 20}, 1000.0))
+    assert wild.cost[2] == pytest.approx(4.5 * adaptive_mod.MAX_RETIME)  # one call moves a cost 4x at most
+    plain = menu.learn(timed_call({0: 60, 2: 0, 5: 0}, prefill_s + 60 * 2 * step_s, evidence=()))
+    assert plain.clock[0] == pytest.approx(step_s * 2**0.5) and np.allclose(plain.cost, menu.cost)  # the unit
+
+
+def test_costs_cached_3x_too_high_still_draft_in_the_first_call_and_move_toward_its_rounds(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    drafter, kw = NgramDrafter(max_n=2), dict(batch=len(PROMPTS), sampling=SamplingConfig())
+    honest = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
+    (record,) = tmp_path.glob("calibration/*.json")
+    measured = json.loads(record.read_text())
+    first, *drafting = measured["value"]["round_s"]
+    measured["value"]["round_s"] = [first] + [3 * s for s in drafting]
+    record.write_text(json.dumps(measured))
+    menu = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
+    assert menu.menu == honest.menu and menu.cost[-1] > 2 * honest.cost[-1]
+    out = spec.generate(
+        WEIGHTS, CFG, PROMPTS, drafter=drafter, num_draft_tokens=menu, max_new_tokens=MAX_NEW, eos_ids=()
+    )
+    assert sum(r for k, r in out.stats.rounds_by_drafts.items() if k) > 0  # drafted
+    learned = menu.learn(out.stats)
+    assert all(learned.cost[1:] < menu.cost[1:])  # toward the rounds as timed
 
 
 def test_the_machine_key_names_the_cpu_model_and_its_vector_extensions(tmp_path):

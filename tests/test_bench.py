@@ -2,19 +2,27 @@
 greedy speculative outputs identical to autoregressive ones, speedups paired per batch."""
 
 import json
+import logging
 import statistics
 
 import pytest
 
+from specjax import host
 from specjax.cli import bench
 from specjax.measure import bandwidth, calibration
 
 
-def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
+def test_bench_writes_json_table_and_plot(tmp_path, capsys, caplog, monkeypatch):
+    monkeypatch.setattr(host.log, "propagate", True)  # the status lines, to caplog
+    caplog.set_level(logging.INFO, logger="specjax")
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(bandwidth, "copy_bandwidth", lambda: 1e10)
-    # Costs in plain steps, as calibration would measure them (tests/test_adaptive.py measures them for real).
-    monkeypatch.setattr(calibration, "menu_costs", lambda *args, **kw: [1.0 + 0.2 * k for k in args[3]])
+
+    # Round times of 1 + 0.2 K plain steps, as calibration would measure them (tests/test_adaptive.py measures them).
+    def timed(weights, cfg, drafter, menu, **kw):
+        return {"step_s": 0.01, "prefill_token_s": 1e-4, "round_s": [0.01 + 0.002 * k for k in menu]}
+
+    monkeypatch.setattr(calibration, "round_seconds", timed)
     prompts = ["Write a function.", "Name three rivers.", "Count to ten.", "Hello!"]
     argv = ["--model", "tiny-random", "--modes", "ar,ngram,ngram:2,ngram:auto,layerskip", "--max-new-tokens", "12",
             "--num-draft-tokens", "3", "--draft-layers", "1", "--forward-costs", "1,4",
@@ -63,7 +71,16 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
     assert header.endswith("| identical to ar | weights read (GB/s) | of bandwidth |")
     assert all(line.count("|") == 12 and line.endswith("% |") for line in mode_lines)
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| layerskip |" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "| layerskip |" in out
+    progress = [m for m in caplog.messages if m.startswith("bench ")]  # a line before every long step
+    assert progress[0] == "bench 1/5 ar: preparing" and "bench 4/5 ngram:auto: preparing" in progress
+    assert (
+        "calibrating adaptive drafting (draft sizes [0, 1, 2, 3, 5, 8], batch 1): once on this machine"
+        in caplog.messages
+    )
+    assert "bench 5/5 layerskip: compiling (a warm-up batch)" in progress
+    assert "bench timing 5 modes on 4 batches, interleaved" in progress
 
 
 def test_measure_interleaves_modes_and_pairs_speedups():
@@ -124,6 +141,18 @@ def test_bad_bench_input_is_one_line_and_exit_2(flags, needle, capsys):
         bench.entry(["--model", "tiny-random", "--prompt", "Hi", *flags])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_lookup_first_is_spelled_as_in_generate_and_the_old_spelling_warns(capsys):
+    assert bench.parse_mode("ngram+eagle3:4") == ("ngram+eagle3", 4)
+    assert bench.respelled("ngram+eagle3:auto") == "ngram+eagle3:auto" and not capsys.readouterr().err
+    assert bench.respelled("ngram-eagle3:auto") == "ngram+eagle3:auto"
+    assert capsys.readouterr().err == "specjax-bench: mode 'ngram-eagle3:auto' is now spelled 'ngram+eagle3:auto'\n"
+    with pytest.raises(SystemExit) as exit_info:  # read as ngram+eagle3, which needs its head
+        bench.entry(["--model", "tiny-random", "--prompt", "Hi", "--modes", "ar,ngram-eagle3"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "is now spelled 'ngram+eagle3'" in err
+    assert "mode ngram+eagle3 needs an EAGLE-3 head folder" in err
 
 
 def test_bench_runs_the_chat_set(tmp_path):

@@ -111,3 +111,8 @@ def test_generate_plan_prints_the_table_and_decodes_nothing(monkeypatch, capsys)
     out = capsys.readouterr().out
     assert "| weights |" in out and "| total |" in out and "| device memory |" in out
     assert out.count("\n") == 2 + 6
+
+
+def test_generate_plan_is_at_the_batch_asked_for_even_with_fewer_prompts(capsys):
+    generate_cli.main(["--model", "tiny-random", "--prompt", "Hi", "--batch-size", "8", "--plan"])
+    assert "KV cache (batch 8," in capsys.readouterr().out

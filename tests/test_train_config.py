@@ -8,7 +8,8 @@ import yaml
 from specjax.errors import InputError
 from specjax.train.config import TrainConfig, _build, config_to_dict, load_config
 
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SMOKE = CONFIGS / "smoke.yaml"
 
 
 def test_smoke_config_and_overrides():
@@ -71,3 +72,36 @@ def test_round_trip_through_dict():
     raw = config_to_dict(cfg)
     assert raw["model"]["tap_layers"] == [0, 1, 2]
     assert _build(TrainConfig, yaml.safe_load(yaml.safe_dump(raw)), "") == cfg
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    cfg = load_config(path)  # the schema only: the target (a Hub name, for the 8B recipes) is not loaded here
+    assert cfg.model.target and cfg.output_dir.startswith("runs/")
+    if cfg.data.store:
+        assert Path(cfg.data.store).is_dir(), cfg.data.store  # a committed store, found from the config's folder
+
+
+def test_a_relative_store_is_relative_to_the_config_file(tmp_path, monkeypatch):
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "run.yaml").write_text("data:\n  store: ../stores/a\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert load_config(folder / "run.yaml").data.store == str(tmp_path / "stores" / "a")
+    assert load_config(Path("../recipes/run.yaml")).data.store == str(tmp_path / "stores" / "a")
+    (folder / "abs.yaml").write_text(f"data:\n  store: {tmp_path / 'b'}\n")
+    assert load_config(folder / "abs.yaml").data.store == str(tmp_path / "b")
+    # On the command line a path is the user's, relative to the working directory; unset, output_dir/store.
+    assert load_config(folder / "run.yaml", ["data.store=s"]).data.store == "s"
+    assert load_config(None).data.store is None
+
+
+def test_a_moved_store_does_not_make_a_run_another_run(tmp_path):
+    from specjax.train.run import check_record, record_config
+
+    record_config(load_config(SMOKE, [f"output_dir={tmp_path}", "data.store=/old/store"]))
+    check_record(load_config(SMOKE, [f"output_dir={tmp_path}", "data.store=/new/store"]))
+    with pytest.raises(InputError, match="different data settings"):
+        check_record(load_config(SMOKE, [f"output_dir={tmp_path}", "data.num_prompts=17"]))

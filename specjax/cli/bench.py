@@ -31,7 +31,7 @@ from specjax.drafters.ngram import DEFAULT_NGRAM
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.evalsets import chat_prompts, humaneval_prompts
-from specjax.host import machine
+from specjax.host import machine, status
 from specjax.io.loading import LoadedModel, load_model
 from specjax.measure.bandwidth import device_bandwidth
 from specjax.measure.memory import weight_bytes
@@ -190,7 +190,7 @@ def drafter_spec(
     mode: str, cfg: ModelConfig, ngram: int, draft_layers: int | None, eagle3: str | None, dflash: str | None
 ) -> str:
     """The `drafter_from_spec` spec of a speculative mode, from the bench's options."""
-    if mode in ("eagle3-chain", "eagle3-tree", "ngram-eagle3") and not eagle3:
+    if mode in ("eagle3-chain", "eagle3-tree", "ngram+eagle3") and not eagle3:
         raise InputError(f"mode {mode} needs an EAGLE-3 head folder: --eagle3 PATH")
     if mode == "dflash" and not dflash:
         raise InputError("mode dflash needs a DFlash draft folder: --dflash PATH")
@@ -199,7 +199,7 @@ def drafter_spec(
         "layerskip": f"layerskip:{draft_layers or LayerSkipDrafter.default_layers(cfg)}",
         "eagle3-chain": f"eagle3:{eagle3}",
         "eagle3-tree": f"eagle3:{eagle3}",
-        "ngram-eagle3": f"ngram:{ngram}+eagle3:{eagle3}",
+        "ngram+eagle3": f"ngram:{ngram}+eagle3:{eagle3}",
         "dflash": f"dflash:{dflash}",
     }[mode]
 
@@ -214,11 +214,11 @@ def specjax_speculative(mode: str) -> Callable[..., SpeculativeRunner]:
         )
         drafter = drafter_from_spec(spec, model.weights, model.cfg, tree=tree)
         k = tree.depth if tree is not None else options["num_draft_tokens"]  # a tree's round is its own
-        lookup_tokens = options["lookup_tokens"] if mode == "ngram-eagle3" else None
+        lookup_tokens = options["lookup_tokens"] if mode == "ngram+eagle3" else None
         drafter, verified = cli.fixed_drafting(model, drafter, "auto" if options["auto"] else k, lookup_tokens)
         cli.check_memory(options["plan_at"](drafter, verified), batch_size)
         if verified == "auto":
-            verified = cli.adaptive_drafting(model, drafter, sampling, batch_size, options["context"])
+            verified = cli.adaptive_drafting(model, drafter, sampling, batch_size)
         return SpeculativeRunner(model, drafter, sampling, eos, batch_size, verified, draft_steps=k)
 
     return prepare
@@ -232,11 +232,22 @@ MODES: dict[str, Callable[..., Runner]] = {
     "layerskip": specjax_speculative("layerskip"),
     "eagle3-chain": specjax_speculative("eagle3-chain"),
     "eagle3-tree": specjax_speculative("eagle3-tree"),
-    "ngram-eagle3": specjax_speculative("ngram-eagle3"),
+    "ngram+eagle3": specjax_speculative("ngram+eagle3"),
     "dflash": specjax_speculative("dflash"),
 }
 DEFAULT_TREE = "5,3,10"  # the eagle3-tree mode's tree
-SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree", "ngram-eagle3", "dflash")
+SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree", "ngram+eagle3", "dflash")
+OLD_SPELLINGS = {"ngram-eagle3": "ngram+eagle3"}  # still read, with a warning
+
+
+def respelled(mode: str) -> str:
+    """A --modes entry in the current spelling (lookup first is `ngram+eagle3`, as `ngram+SPEC` in generate)."""
+    base, sep, variant = mode.partition(":")
+    if base not in OLD_SPELLINGS:
+        return mode
+    new = OLD_SPELLINGS[base] + sep + variant
+    print(f"specjax-bench: mode {mode!r} is now spelled {new!r}", file=sys.stderr)
+    return new
 
 
 def parse_mode(mode: str) -> tuple[str, int | str | None]:
@@ -271,10 +282,12 @@ def measure(
     batch has a seed of its own, so the repeats draw new samples and the speedups are medians over as many samples
     as timings, not over the first pass's few. Target forwards per batch: the rounds and the prefill of a
     speculative mode, one per token of the batch's longest output otherwise."""
-    for runner in runners.values():
+    for i, (mode, runner) in enumerate(runners.items(), 1):
+        status(f"bench {i}/{len(runners)} {mode}: compiling (a warm-up batch)")
         runner(groups[0], max_new_tokens, seed)  # warm-up of the very executable timed next: allocator, thread pools
     runs = {mode: ModeRun(mode, [], [], [], repeats=repeats) for mode in runners}
     batches = [(i, group) for _ in range(repeats) for i, group in enumerate(groups)]
+    status(f"bench timing {len(runners)} modes on {len(batches)} batches, interleaved")
     for n, (i, group) in enumerate(tqdm(batches, desc="bench", unit="batch", file=sys.stderr)):
         order = list(runners)
         for mode in order[n % len(order) :] + order[: n % len(order)]:
@@ -334,6 +347,7 @@ def add_breakdowns(
     }
     if not fixed:
         return
+    status(f"bench timing verification and {len(fixed)} drafters alone, for the round breakdowns")
     model = next(iter(fixed.values())).model
     verified = {mode: r.drafter.draft_shape(r.num_draft_tokens).budget for mode, r in fixed.items()}  # root included
     counts = sorted({1, *verified.values()})
@@ -410,13 +424,13 @@ def parser() -> cli.ArgumentParser:
         "--num-draft-tokens", type=cli.draft_tokens, default=cli.DEFAULT_DRAFT_TOKENS,
         help="K for the chain modes; 'auto': every speculative mode drafts adaptively (specjax.adaptive)",
     )  # fmt: skip
-    p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, help="n-gram size of the ngram and ngram-eagle3 modes")
+    p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, help="n-gram size of the ngram and ngram+eagle3 modes")
     p.add_argument(
         "--lookup-tokens", type=int, default=None,
-        help="ngram-eagle3: tokens the lookup proposes (default K); the head still drafts K",
+        help="ngram+eagle3: tokens the lookup proposes (default K); the head still drafts K",
     )  # fmt: skip
     p.add_argument("--draft-layers", type=int, default=None, help="layers of the layerskip drafter (default L/4)")
-    p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder for the eagle3-chain / eagle3-tree modes")
+    p.add_argument("--eagle3", default=None, help="EAGLE-3 head for the eagle3-chain, eagle3-tree, ngram+eagle3 modes")
     p.add_argument("--tree", default=None, help=f"depth,topk,budget of the eagle3-tree mode (default {DEFAULT_TREE})")
     p.add_argument("--dflash", default=None, help="DFlash draft folder for the dflash mode")
     p.add_argument(
@@ -441,7 +455,7 @@ def parser() -> cli.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     sampling = cli.sampling_from_args(args)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = [respelled(m.strip()) for m in args.modes.split(",") if m.strip()]
     if not modes:
         raise InputError(f"--modes is empty; choose from {', '.join(MODES)}")
     drafting = {mode: parse_mode(mode) for mode in modes}
@@ -472,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli.check_memory(plan_at(None, 0), batch_size)  # the weights and the autoregressive loop, before any mode
     options = dict(
         num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, lookup_tokens=args.lookup_tokens,
-        draft_layers=args.draft_layers, eagle3=args.eagle3, tree=args.tree, dflash=args.dflash, context=context,
+        draft_layers=args.draft_layers, eagle3=args.eagle3, tree=args.tree, dflash=args.dflash,
         plan_at=plan_at,
     )  # fmt: skip
 
@@ -484,10 +498,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         chosen = dict(options, num_draft_tokens=k, auto=variant == "auto")
         return MODES[base](model, sampling, eos, batch_size, **chosen)
 
-    runners = {mode: prepare(mode) for mode in modes}
+    runners = {}
+    for i, mode in enumerate(modes, 1):
+        status(f"bench {i}/{len(modes)} {mode}: preparing")
+        runners[mode] = prepare(mode)
     runs = measure(runners, groups, args.max_new_tokens, args.seed, args.repeats, fresh_samples=not sampling.greedy)
     # Only a speculative mode needs the prefills: without one, `ar`'s decode speedup is 1 whatever they are.
     speculating = any(isinstance(r, SpeculativeRunner) for r in runners.values())
+    if speculating:
+        status("bench timing the prefills alone")
     prefills = prefill_seconds(model, groups, args.max_new_tokens) if speculating else [0.0] * len(groups)
     add_breakdowns(runs, runners, batch_size, context, sum(prefills))
     for mode, runner in runners.items():
@@ -498,6 +517,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     bandwidth, bandwidth_source = device_bandwidth()
     timed_prefills = [prefills[n % len(groups)] for n in range(len(groups) * args.repeats)]  # as `measure` timed
     rows = [runs[m].summary(ar, sampling.greedy, weights, bandwidth, timed_prefills) for m in modes]
+    if args.forward_costs:
+        status(f"bench timing the target forward over {','.join(map(str, args.forward_costs))} tokens per row")
     sweep = forward_cost_sweep(model, batch_size, context, args.forward_costs) if args.forward_costs else []
     config = {
         "model": args.model, "prompt_set": prompt_set,

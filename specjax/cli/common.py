@@ -55,7 +55,10 @@ def run(main: Callable[[Sequence[str] | None], None], prog: str, argv: Sequence[
 
 def add_model_args(parser: argparse.ArgumentParser, batch_default: str = "all, at most 8") -> None:
     parser.add_argument(
-        "--model", default="smollm2-135m", help="built-in name (smollm2-135m), a .gguf file, or an HF model folder"
+        "--model",
+        default="smollm2-135m",
+        help="built-in name (smollm2-135m), a .gguf file, an HF model folder, or a Hugging Face Hub repo "
+        "ORG/NAME[@REVISION]",
     )
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": ...} object per line')
@@ -173,18 +176,20 @@ def auto_max_drafts(drafter) -> int:
     return min(CALIBRATION_DRAFT_TOKENS, drafter.traits.max_draft_tokens or CALIBRATION_DRAFT_TOKENS)
 
 
-def adaptive_drafting(model, drafter, sampling, batch: int, context: int):
+def adaptive_drafting(model, drafter, sampling, batch: int):
     """`--num-draft-tokens auto`: the calibrated menu of `specjax.adaptive`, checked and reported on stderr."""
     from specjax.decoding import speculative
     from specjax.measure.calibration import calibrated
 
-    adaptive = calibrated(
-        model.weights, model.cfg, drafter, auto_max_drafts(drafter), batch=batch, context=context, sampling=sampling
-    )
+    adaptive = calibrated(model.weights, model.cfg, drafter, auto_max_drafts(drafter), batch=batch, sampling=sampling)
     speculative.check_inputs(model.cfg, drafter, adaptive)
-    costs = ", ".join(f"{k}: {c:.2f}" for k, c in zip(adaptive.menu, adaptive.cost.tolist()))
-    print(f"[adaptive drafting, cost of a round in plain steps by draft size: {costs}]", file=sys.stderr)
+    print(f"[adaptive drafting, estimated cost of a round in plain steps: {menu_costs(adaptive)}]", file=sys.stderr)
     return adaptive
+
+
+def menu_costs(adaptive) -> str:
+    """'draft size: cost' for each entry of an adaptive menu."""
+    return ", ".join(f"{k}: {c:.2f}" for k, c in zip(adaptive.menu, adaptive.cost.tolist()))
 
 
 def memory_plan_at(model, drafter, num_draft_tokens: int | str, prompt_len: int, max_new_tokens: int):

@@ -1,9 +1,9 @@
 """Several specjax-bench runs side by side: one table row per run and mode, one chart of the speedups.
 
-    python -m specjax.cli.compare OUT RUN_DIR [RUN_DIR ...]
+    python -m specjax.cli.compare RUN_DIR [RUN_DIR ...] --out OUT
 
-reads each RUN_DIR/bench.json and writes OUT.md and OUT.png. A run is named by its setting: prompt set, batch size
-and temperature (e.g. "humaneval b8 T1").
+reads each RUN_DIR/bench.json and writes OUT.md and OUT.png, never inside a RUN_DIR. A run is named by its setting:
+prompt set, batch size and temperature (e.g. "humaneval b8 T1").
 """
 
 from __future__ import annotations
@@ -90,11 +90,14 @@ def plot(runs: Sequence[tuple[str, list[dict]]], path: Path, title: str) -> None
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = cli.ArgumentParser(prog="python -m specjax.cli.compare", description=__doc__)
-    p.add_argument("out", help="output path without suffix: OUT.md and OUT.png are written")
-    p.add_argument("runs", nargs="+", help="folders written by specjax-bench --out-dir")
+    p.add_argument("runs", nargs="+", help="folders written by specjax-bench --out-dir (only read)")
+    p.add_argument("--out", required=True, type=Path, help="output path without suffix: OUT.md and OUT.png are written")
     p.add_argument("--title", default="speedup over autoregressive decoding measured in the same run")
     args = p.parse_args(argv)
-    out = Path(args.out)
+    out = args.out
+    inside = [run for run in args.runs if Path(run).resolve() in out.resolve().parents]  # OUT.md beside a bench.md
+    if inside:
+        raise InputError(f"--out {out} lies inside the run folder {inside[0]}; write the comparison elsewhere")
     table_path, chart_path = cli.check_output_file(out.with_name(out.name + ".md")), out.with_name(out.name + ".png")
     runs = load_runs(args.runs)
     table = markdown_table(runs)

@@ -76,13 +76,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     batch_size = per_call * samples
     drafter, verified = cli.fixed_drafting(model, drafter, args.num_draft_tokens, args.lookup_tokens)
     plan_at = cli.memory_plan_at(model, drafter, verified, max(map(len, prompt_ids)), args.max_new_tokens)
-    if args.plan:
-        print(plan_at(batch_size).table(cli.device_memory()), end="")
+    if args.plan:  # at the batch asked for, even where these prompts would fill fewer rows
+        print(plan_at(args.batch_size or batch_size).table(cli.device_memory()), end="")
         return
     cli.check_memory(plan_at, batch_size)
     if verified == "auto" and drafter is not None:
-        context = max(map(len, prompt_ids)) + args.max_new_tokens // 2
-        verified = cli.adaptive_drafting(model, drafter, sampling, batch_size, context)
+        verified = cli.adaptive_drafting(model, drafter, sampling, batch_size)
 
     results = []
     for start, group in zip(range(0, len(prompts), per_call), cli.batches(prompt_ids, per_call)):
@@ -151,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         f"[autoregressive, same prompt and run: {s['ar_tokens_per_s']:.1f} tok/s; speedup "
                         f"{s['speedup_vs_ar']:.2f}x{same[s.get('identical_to_ar')]}]"
                     )
+    if isinstance(verified, Adaptive):
+        print(f"[adaptive drafting, cost of a round after the timed calls: {cli.menu_costs(verified)}]", file=sys.stderr)
     if json_out:
         config = {
             "model": args.model,

@@ -16,6 +16,7 @@ import numpy as np
 
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.errors import InputError
+from specjax.host import status
 from specjax.sampling import Sampling
 
 PROMPT_BUCKET = 64
@@ -130,6 +131,7 @@ def compiled(fn, args, static: dict):
     key = (fn, treedef, signature, tuple(sorted(static.items())))
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], 0.0
+    status(f"compiling {fn.__name__} (once per batch, prompt length bucket and max new tokens)")
     t0 = time.perf_counter()
     _EXECUTABLES[key] = fn.lower(*args, **static).compile()
     return _EXECUTABLES[key], time.perf_counter() - t0

@@ -34,7 +34,7 @@ from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.acceptance import accept
 from specjax.decoding.autoregressive import GenerateResult, prefill
 from specjax.decoding.autoregressive import generate as plain_generate
-from specjax.decoding.batch import compiled, completions, is_eos, prepare_batch
+from specjax.decoding.batch import compiled, completions, is_eos, prepare_batch, prompt_bucket
 from specjax.decoding.stats import SpecResult, SpecStats
 from specjax.drafters.base import Drafter, pending_tokens
 from specjax.drafters.tree import MAX_DRAFT_TOKENS, DraftTree, TreeSpec, path_to
@@ -295,12 +295,14 @@ def check_inputs(cfg: ModelConfig, drafter: Drafter, policy: Policy) -> None:
         drafter.validate(cfg, k)
 
 
-def as_plain_rounds(plain: GenerateResult, menu: Sequence[int], depth: int) -> SpecResult:
+def as_plain_rounds(plain: GenerateResult, menu: Sequence[int], depth: int, prompt_tokens: int) -> SpecResult:
     """Plain decoding's result as a speculative one whose every round was the menu's plain step."""
     steps = [len(c.output_ids) - 1 for c in plain.completions]  # the first token comes with the prefill
     stats = SpecStats.from_histogram(max(steps, default=0), [sum(steps)] + [0] * depth, plain.new_tokens, plain.seconds)
     rounds_by_drafts = {k: stats.rounds if k == 0 else 0 for k in menu}
-    stats = dataclasses.replace(stats, rounds_by_drafts=rounds_by_drafts, plain_steps=stats.rounds)
+    stats = dataclasses.replace(
+        stats, rounds_by_drafts=rounds_by_drafts, plain_steps=stats.rounds, prompt_tokens=prompt_tokens
+    )
     return SpecResult(plain.completions, plain.seconds, plain.compile_seconds, stats)
 
 
@@ -350,7 +352,7 @@ def generate(
             weights, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
             batch_size=batch_size, num_samples=num_samples,
         )  # fmt: skip
-        return as_plain_rounds(plain, policy.menu, max(depths))
+        return as_plain_rounds(plain, policy.menu, max(depths), prompt_bucket(max(map(len, prompts))))
     req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
     args = (weights, drafter, policy, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
             req.sampling, jnp.asarray(req.active))  # fmt: skip
@@ -370,5 +372,6 @@ def generate(
         rounds_by_drafts={k: int(r) for k, r in zip(policy.menu, by_entry)},
         acceptance_evidence=policy.evidence(s.policy_state),
         plain_steps=max((len(c.output_ids) for c in results), default=1) - 1,
+        prompt_tokens=req.tokens.shape[1],
     )
     return SpecResult(results, seconds, compile_seconds, stats)

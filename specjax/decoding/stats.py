@@ -35,12 +35,14 @@ class SpecStats:
     # Adaptive drafting: (accepted drafts, tried depths) per kind of round, what `Adaptive.learn` pools into the prior.
     acceptance_evidence: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     plain_steps: int = 0  # steps plain decoding takes for these outputs: the longest, less the prefill's token
+    prompt_tokens: int = 0  # the prompt bucket the prefill ran over (what `Adaptive.learn` takes out of the time)
+    seconds: float = 0.0  # wall time of the call's decoding, its prefill included
 
     @classmethod
     def from_histogram(cls, rounds: int, hist: Sequence[int], new_tokens: int, seconds: float) -> SpecStats:
         mean, by_position = acceptance(hist)
         tokens_per_s = new_tokens / seconds if seconds > 0 else 0.0
-        return cls(int(rounds), mean, by_position, [int(h) for h in hist], new_tokens, tokens_per_s)
+        return cls(int(rounds), mean, by_position, [int(h) for h in hist], new_tokens, tokens_per_s, seconds=seconds)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -180,7 +180,7 @@ def with_lookup_tokens(drafter: Any, num_draft_tokens: int, lookup_tokens: int |
     if lookup_tokens is None:
         return drafter, num_draft_tokens
     if not isinstance(drafter, LookupFirstDrafter):
-        raise InputError("--lookup-tokens applies to lookup-first drafting only (ngram+SPEC, mode ngram-eagle3)")
+        raise InputError("--lookup-tokens applies to lookup-first drafting only (ngram+SPEC; bench: ngram+eagle3)")
     if lookup_tokens < 1:
         raise InputError(f"--lookup-tokens must be >= 1, got {lookup_tokens}")
     return dataclasses.replace(drafter, fallback_tokens=num_draft_tokens), max(num_draft_tokens, lookup_tokens)

@@ -13,6 +13,7 @@ from specjax.drafters.model import LayerSkipDrafter, ModelDrafter
 from specjax.drafters.ngram import DEFAULT_NGRAM, LookupFirstDrafter, NgramDrafter
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
+from specjax.io.hub import resolve
 from specjax.models.llama import Weights
 
 # Drafts shipped inside the package, by kind and name: those specjax trained for the embedded SmolLM2.
@@ -23,15 +24,18 @@ SHIPPED_DRAFTS = {
 
 
 def draft_folder(kind: str, name_or_path: str) -> Path:
-    """The folder of a draft of `kind` ("eagle3" or "dflash"): a shipped one by its name, else the path given."""
-    return Path(SHIPPED_DRAFTS.get((kind, name_or_path), name_or_path))
+    """The folder of a draft of `kind` ("eagle3" or "dflash"): a shipped one by its name, else the path given, else
+    the Hugging Face Hub repo ORG/NAME[@REVISION] (its config and safetensors, downloaded once into the Hub cache)."""
+    shipped = SHIPPED_DRAFTS.get((kind, name_or_path))
+    return shipped if shipped is not None else resolve(name_or_path, "draft")
 
 
 SPEC_HELP = (
     f"none, ngram[:N] (N = longest n-gram, default {DEFAULT_NGRAM}), layerskip:N (first N layers), model:PATH, "
-    "eagle3:PATH (an EAGLE-3 head folder, or eagle3:smollm2-135m for the built-in head; with --tree for tree "
-    "drafting), dflash:PATH (a DFlash draft folder, or dflash:smollm2-135m for the built-in draft), or ngram[:N]+SPEC "
-    "(prompt lookup where the last N tokens recur, the chain drafter SPEC elsewhere)"
+    "eagle3:PATH (an EAGLE-3 head folder or Hub repo ORG/NAME[@REVISION], or eagle3:smollm2-135m for the built-in "
+    "head; with --tree for tree drafting), dflash:PATH (a DFlash draft folder or Hub repo ORG/NAME[@REVISION], or "
+    "dflash:smollm2-135m for the built-in draft), or ngram[:N]+SPEC (prompt lookup where the last N tokens recur, the "
+    "chain drafter SPEC elsewhere)"
 )
 
 
@@ -75,11 +79,15 @@ def drafter_from_spec(
         raise InputError("tree drafting (--tree) needs an EAGLE-3 head: --drafter eagle3:PATH")
     if kind == "eagle3":
         if not arg:
-            raise InputError("EAGLE-3 drafting needs a head folder: eagle3:PATH (config.json + *.safetensors)")
+            raise InputError(
+                "EAGLE-3 drafting needs a head folder: eagle3:PATH or eagle3:ORG/NAME (config.json + *.safetensors)"
+            )
         return load_eagle3_drafter(str(draft_folder("eagle3", arg)), cfg, weights.embed, tree)
     if kind == "dflash":
         if not arg:
-            raise InputError("DFlash drafting needs a draft folder: dflash:PATH (config.json + *.safetensors)")
+            raise InputError(
+                "DFlash drafting needs a draft folder: dflash:PATH or dflash:ORG/NAME (config.json + *.safetensors)"
+            )
         return load_dflash_drafter(str(draft_folder("dflash", arg)), cfg, weights)
     if kind == "none" and not arg:
         return None
@@ -91,7 +99,9 @@ def drafter_from_spec(
         return LayerSkipDrafter(weights, cfg, _int(arg, "the layer-skip layer count"))
     if kind == "model":
         if not arg or load is None:
-            raise InputError("model drafting needs a checkpoint: model:PATH (a .gguf file, HF folder or built-in name)")
+            raise InputError(
+                "model drafting needs a checkpoint: model:PATH (a .gguf file, HF folder, Hub repo or built-in name)"
+            )
         draft_cfg, draft_weights = load(arg)
         drafter = ModelDrafter(draft_weights, draft_cfg)
         drafter.validate(cfg, 1)

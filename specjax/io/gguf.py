@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, UnsupportedModelError
-from specjax.host import cache_dir
+from specjax.host import cache_dir, status
 from specjax.io.hf import load_hf, write_hf_tensors
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.llama import Weights, rope_inv_freq, weights_from_hf
@@ -273,6 +273,7 @@ def load_gguf(
     if folder.is_dir():
         cfg, weights = load_hf(folder, dtype, shardings)
         return cfg, weights, Tokenizer.from_folder(folder)
+    status(f"converting {path.name} to safetensors in {folder.parent} (once)")
     cfg, tensors, tokenizer = read_gguf(path)
     weights = weights_from_hf(cfg, tensors.__getitem__, dtype, shardings)  # checks names and shapes before caching
     folder.parent.mkdir(parents=True, exist_ok=True)

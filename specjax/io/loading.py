@@ -1,4 +1,4 @@
-"""One entry point for every model source: a built-in name, a .gguf file or an HF folder."""
+"""One entry point for every model source: a built-in name, a .gguf file, an HF folder or a Hugging Face Hub name."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError
+from specjax.host import status
 from specjax.io.gguf import converted_folder, load_gguf
 from specjax.io.hf import load_hf
+from specjax.io.hub import resolve
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.llama import Weights, init_weights
 
@@ -73,13 +75,14 @@ def tiny_random_model(dtype=jnp.float32) -> LoadedModel:
 
 
 def load_model(name_or_path: str, dtype=None) -> LoadedModel:
-    """Loads a built-in model ("smollm2-135m"; "tiny-random" for smoke tests), a .gguf file or an HF folder.
+    """Loads a built-in model ("smollm2-135m"; "tiny-random" for smoke tests), a .gguf file, an HF folder or a Hub repo.
 
-    A .gguf file is converted once, then loaded from the cache.
+    A .gguf file is converted once, then loaded from the cache. A Hub repo is downloaded once into the Hugging Face
+    cache (see specjax.io.hub); an existing local path of the same name wins.
 
     Args:
-      name_or_path: a built-in name, a path to a .gguf file, or a folder with config.json, *.safetensors and
-        tokenizer.json.
+      name_or_path: a built-in name, a path to a .gguf file, a folder with config.json, *.safetensors and
+        tokenizer.json, or a Hugging Face Hub repo ORG/NAME[@REVISION].
       dtype: weight dtype; default float32 on CPU and bfloat16 on accelerators.
     Returns:
       The LoadedModel. Raises CheckpointError / UnsupportedModelError (SpecjaxError) on bad input.
@@ -91,7 +94,8 @@ def load_model(name_or_path: str, dtype=None) -> LoadedModel:
     if name_or_path in EMBEDDED:
         path = embedded_gguf(name_or_path)
     else:
-        path = Path(name_or_path).expanduser()
+        path = resolve(name_or_path, "model")
+    status(f"loading {name_or_path} ({jnp.dtype(dtype).name})")
     if path.suffix.lower() == ".gguf":
         cfg, weights, tokenizer = load_gguf(path, dtype)
     elif path.is_dir():
@@ -100,6 +104,6 @@ def load_model(name_or_path: str, dtype=None) -> LoadedModel:
     else:
         raise CheckpointError(
             f"{name_or_path!r} is not a built-in model ({', '.join([*EMBEDDED, TINY_RANDOM])}), "
-            "a .gguf file or a model folder"
+            "a .gguf file, a model folder or a Hugging Face Hub repo ORG/NAME[@REVISION]"
         )
     return LoadedModel(cfg, weights, tokenizer, str(path))

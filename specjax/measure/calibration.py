@@ -1,9 +1,11 @@
 """Calibration of adaptive menus: what a round of each menu entry costs on this machine, in plain decoding steps.
 
-`calibrated` builds the `Adaptive` menu that `--num-draft-tokens auto` runs: the default draft sizes, each timed as
-whole rounds of the compiled loop (`specjax.measure.timing.loop_seconds`), measured once per machine, model shapes,
-drafter, batch, context and greedy-or-sampled (`specjax.host.cached_measurement`), fitted non-decreasing, and only
-the entries that are the best choice at some acceptance rate kept.
+`calibrated` builds the `Adaptive` menu that `--num-draft-tokens auto` runs: the default draft sizes and their
+costs, each derived from a few short timings (`round_seconds`: the target forward by token count, the drafter's
+round), measured once per machine, model shapes, drafter, batch and greedy-or-sampled
+(`specjax.host.cached_measurement`), fitted non-decreasing, and only the entries that are the best choice at some
+acceptance rate kept. The estimate leaves out the loop's own work; the calls' timed rounds correct it
+(`Adaptive.learn`).
 """
 
 from __future__ import annotations
@@ -12,47 +14,72 @@ import os
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
-from specjax.adaptive import ADAPTIVE_MENU, MAX_RATE, Adaptive, menu_depths
+from specjax.adaptive import ADAPTIVE_MENU, MAX_RATE, Adaptive, menu_depths, menu_shapes, non_decreasing
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.drafters.base import Drafter
 from specjax.drafters.tree import TreeSpec
-from specjax.host import cached_measurement
+from specjax.host import cached_measurement, status
 from specjax.measure.speedup import expected_tokens_per_round
-from specjax.measure.timing import loop_seconds
+from specjax.measure.timing import drafter_timer, forward_timers, interleaved_medians
 from specjax.models.llama import Weights
 
 CALIBRATION_DRAFT_TOKENS = 8  # the largest K that `--num-draft-tokens auto` drafts with a chain drafter
+CALIBRATION_CONTEXT = 256  # committed tokens per row while timing (the costs are ratios; the loop's timing corrects)
+PREFILL_PROBE = 64  # tokens of the forward that prices the prefill per prompt token
 
 
 def useful_entries(menu: Sequence[int], depths: Sequence[int], cost: Sequence[float]) -> list[int]:
-    """The entries that are the best choice for some acceptance rate in [0, 1): the others would never run, so they
-    are left out of the loop (each entry is compiled)."""
-    best = set()
+    """The entries that are the best choice for some acceptance rate in [0, 1), and the deepest: the others would
+    never run, so they are left out of the loop (each entry is compiled). The deepest stays whatever its estimate, so
+    the loop can time a drafting round and correct an estimate that was too high (`Adaptive.prices`)."""
+    best = {len(menu) - 1}
     for i in range(1000):
         gains = [expected_tokens_per_round(min(i / 1000, MAX_RATE), d) / c for d, c in zip(depths, cost)]
         best.add(max(range(len(menu)), key=gains.__getitem__))
     return sorted(best)
 
 
-def menu_costs(
+def round_seconds(
     weights: Weights,
     cfg: ModelConfig,
     drafter: Drafter,
     menu: Sequence[int],
     *,
     batch: int,
-    context: int,
     sampling: SamplingConfig,
-    new_tokens: int = 32,
     reps: int = 9,
-) -> list[float]:
-    """The cost of a round of each menu entry in steps of plain decoding: whole rounds of the compiled loop, each
-    entry forced in turn, against the steps of the plain decoding loop (`specjax.measure.timing.loop_seconds`), measured
-    once per machine, model shapes, drafter, batch, context and greedy-or-sampled, then read from
-    `$SPECJAX_CACHE/calibration` (which keeps the measurement), and fitted `non_decreasing`."""
-    signature = {
-        "method": "loop rounds",
+) -> dict:
+    """Seconds of a plain decoding step, of the prefill per prompt token, and of a round of each menu entry, from
+    short timings taken in turn (`interleaved_medians`): the target forward over 1 token, over `PREFILL_PROBE` and
+    over each entry's draft nodes, and the drafter's round (`drafter_timer`) at the shallowest and deepest drafting
+    entries (in between: linear in depth). A round is its verification and its drafting; the loop's own work
+    (acceptance, commits, the switch) is left out, and the calls' timed rounds add it (`Adaptive.learn`)."""
+    shapes = menu_shapes(drafter, menu)
+    counts = sorted({1, PREFILL_PROBE} | {shape.budget for shape in shapes})
+    drafting = sorted({shape.depth for shape in shapes if shape.depth})
+    drafts = [drafting[0], drafting[-1]] if len(drafting) > 1 else drafting
+    sizes = [next(k for k, s in zip(menu, shapes) if s.depth == d) for d in drafts]
+    timers = forward_timers(weights, cfg, batch, CALIBRATION_CONTEXT, counts)
+    timers += [drafter_timer(drafter, cfg, batch, CALIBRATION_CONTEXT, k, sampling) for k in sizes]
+    medians = interleaved_medians(timers, reps)
+    forward = dict(zip(counts, medians))
+    drafting_s = np.interp([s.depth for s in shapes], drafts, medians[len(counts) :]) if drafts else [0.0] * len(menu)
+    step_s = forward[1]
+    return {
+        "step_s": step_s,
+        "prefill_token_s": max(forward[PREFILL_PROBE] - step_s, 0.0) / (PREFILL_PROBE - 1),
+        # Verifying more tokens never costs less than one: a lower figure is the machine's noise.
+        "round_s": [max(forward[s.budget], step_s) + (d if s.depth else 0.0) for s, d in zip(shapes, drafting_s)],
+    }
+
+
+def calibration_signature(weights: Weights, cfg: ModelConfig, drafter: Drafter, menu, batch: int, greedy: bool):
+    """What a calibration depends on: the machine (added by the cache), XLA's flags, the target's shapes and dtype,
+    the drafter, the menu, the batch and greedy-or-sampled; not the prompt or the number of new tokens."""
+    return {
+        "method": "forward by tokens + drafter round",
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "target": repr(cfg),
         "dtype": str(weights.embed.dtype),
@@ -60,38 +87,9 @@ def menu_costs(
         "drafter_leaves": [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(drafter)],
         "menu": list(menu),
         "batch": batch,
-        "context": context,
-        "greedy": sampling.greedy,
-        "new_tokens": new_tokens,
-        "reps": reps,
+        "greedy": greedy,
+        "context": CALIBRATION_CONTEXT,
     }
-
-    def measure() -> list[float]:
-        step_s, round_s = loop_seconds(
-            weights, cfg, drafter, menu, batch=batch, context=context, sampling=sampling, new_tokens=new_tokens,
-            reps=reps,
-        )  # fmt: skip
-        return [s / step_s for s in round_s]
-
-    return non_decreasing(cached_measurement("calibration", signature, measure))
-
-
-def non_decreasing(cost: Sequence[float]) -> list[float]:
-    """The non-decreasing costs nearest to the measured ones (least squares, by pooling adjacent violators).
-
-    A menu's entries are ascending and each round does all the work of a shallower one (a plain step is part of
-    every round), so its true costs never fall; measured ones do where the machine's noise exceeds the step between
-    two entries (a chain of 8 timed below a chain of 5), and a choice would follow that noise. Pooling the entries
-    that break the order into their mean keeps what the measurement says and drops what it cannot.
-    """
-    blocks: list[list[float]] = []  # [sum, count] of pooled entries, means ascending
-    for c in cost:
-        blocks.append([c, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def calibrated(
@@ -101,16 +99,27 @@ def calibrated(
     max_draft_tokens: int,
     *,
     batch: int,
-    context: int,
     sampling: SamplingConfig,
 ) -> Adaptive:
     """`--num-draft-tokens auto`: the default menu up to `max_draft_tokens` (a tree drafter: a plain step or its
-    tree; no plain step for a drafter that cannot follow one), its measured costs, and only the useful entries."""
+    tree; no plain step for a drafter that cannot follow one), its costs in plain steps (`round_seconds`, measured
+    once and then read from `$SPECJAX_CACHE/calibration`, fitted `non_decreasing`), and only the useful entries. The
+    menu keeps the seconds of a plain step and of the prefill, so each call's timing can correct the costs."""
     if drafter.draft_shape(1) != TreeSpec.chain(1):  # a tree drafter: its own tree whatever K, named by its depth
         sizes = [drafter.draft_shape(max_draft_tokens).depth]
     else:
         sizes = sorted({k for k in ADAPTIVE_MENU if k < max_draft_tokens} | {max_draft_tokens})
     menu = ([0] if drafter.traits.plain_rounds else []) + sizes
-    cost = menu_costs(weights, cfg, drafter, menu, batch=batch, context=context, sampling=sampling)
+    signature = calibration_signature(weights, cfg, drafter, menu, batch, sampling.greedy)
+
+    def measure() -> dict:
+        status(f"calibrating adaptive drafting (draft sizes {menu}, batch {batch}): once on this machine")
+        return round_seconds(weights, cfg, drafter, menu, batch=batch, sampling=sampling)
+
+    timed = cached_measurement("calibration", signature, measure)
+    cost = non_decreasing([s / timed["step_s"] for s in timed["round_s"]])
     keep = useful_entries(menu, menu_depths(drafter, menu), cost)
-    return Adaptive.of([menu[i] for i in keep], [cost[i] for i in keep], regimes=drafter.traits.regimes)
+    return Adaptive.of(
+        [menu[i] for i in keep], [cost[i] for i in keep], regimes=drafter.traits.regimes,
+        clock=(timed["step_s"], timed["prefill_token_s"]),
+    )  # fmt: skip

@@ -1,9 +1,8 @@
 """Where the time of a speculative round goes, measured: target step, verification, drafting.
 
 `forward_costs` times the target alone (one token, and K+1 tokens against the same cache; `forward_seconds` any
-token counts); `drafter_seconds` times the drafter alone (its commit of a round's verified rows, then its proposal);
-`loop_seconds` times whole rounds of the compiled speculative loop, entry by entry of an adaptive menu, against steps
-of the plain decoding loop (the costs adaptive drafting decides with).
+token counts); `drafter_seconds` times the drafter alone (its commit of a round's verified rows, then its
+proposal). These are the pieces adaptive drafting's calibration prices a round with (`specjax.measure.calibration`).
 Calls whose times are compared take turns (`interleaved_medians`), so a shared machine's slow spells cancel out;
 `round_breakdown` turns a speculative run's wall time and statistics into the draft cost ratio c and the speedup the
 model of `specjax.measure.speedup` predicts from them, to set beside the measured speedup.
@@ -20,11 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.adaptive import Adaptive, menu_shapes
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding.autoregressive import decode, prefill
-from specjax.decoding.batch import compiled, prompt_bucket
-from specjax.decoding.speculative import speculative_decode
+from specjax.decoding.autoregressive import prefill
 from specjax.drafters.base import Drafter
 from specjax.measure.speedup import acceptance_rate_from_mean, expected_tokens_per_round
 from specjax.models.kv_cache import KVCache
@@ -146,49 +142,6 @@ def drafter_timer(
         return drafter.propose(state, tokens, lengths + 1, key, shape=shape, vocab_size=cfg.vocab_size, sampling=rows)
 
     return lambda: one_round(drafter, state, jax.random.key(1))
-
-
-def loop_seconds(
-    weights: Weights,
-    cfg: ModelConfig,
-    drafter: Drafter,
-    menu: Sequence[int],
-    *,
-    batch: int,
-    context: int,
-    sampling: SamplingConfig,
-    new_tokens: int = 64,
-    reps: int = 3,
-) -> tuple[float, list[float]]:
-    """Seconds of one step of the plain decoding loop, and of one round of each entry of an adaptive menu inside
-    the speculative loop, everything a round does included (drafting, verification, acceptance, commits, the
-    switch).
-
-    The speculative loop is compiled once for the whole menu, as decoding runs it, and each entry is forced in turn
-    (`Adaptive.forcing`). The prompts are random, of `context - new_tokens // 2` tokens, so a row's mean context is
-    `context`, and no row stops before `new_tokens`. The prefill, timed alone, is taken out of every run, and the
-    rest divided by the run's steps or rounds. The runs take turns (`interleaved_medians`).
-    """
-    prompt = max(1, context - new_tokens // 2)
-    tokens = jax.random.randint(jax.random.key(0), (batch, prompt_bucket(prompt)), 0, cfg.vocab_size, jnp.int32)
-    lengths, key, rows = jnp.full((batch,), prompt, jnp.int32), jax.random.key(0), Sampling.of(sampling, batch)
-    static = dict(cfg=cfg, max_new_tokens=new_tokens, eos_ids=())
-    ar_args = (weights, tokens, lengths, key, rows)
-    ar = compiled(decode, ar_args, static)[0]
-    regimes = drafter.traits.regimes
-    spec_args = [(weights, drafter, Adaptive.forcing(menu, e, regimes), *ar_args[1:]) for e in range(len(menu))]
-    loop = compiled(speculative_decode, spec_args[0], static)[0]
-    capacity = max(shape.capacity for shape in menu_shapes(drafter, menu))
-    slots = tokens.shape[1] + new_tokens + capacity
-
-    timed = [prefill_timer(weights, cfg, tokens, slots, lengths), lambda: ar(*ar_args)]
-    timed += [lambda args=args: loop(*args) for args in spec_args]
-    rounds = [int(run().state.rounds) for run in timed[2:]]  # the runs' warm-up
-    jax.block_until_ready([run() for run in timed[:2]])
-    prefill_s, ar_s, *loop_s = interleaved_medians(timed, reps, warm_up=False)
-    # On a tiny model the prefill is a sliver of a run; the floor only keeps timing noise from making it the whole.
-    step_s = max(ar_s - prefill_s, ar_s / 100) / (new_tokens - 1)
-    return step_s, [max(s - prefill_s, s / 100) / r for s, r in zip(loop_s, rounds)]
 
 
 def median_seconds(fn: Callable[[], Any], reps: int) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from collections.abc import Sequence
@@ -84,7 +85,9 @@ class DataSection:
     # or JSONL files of {"prompt": ...}, ShareGPT {"conversations": [{"from", "value"}]} or {"messages": [{"role",
     # "content"}]} lines. A single string is one source.
     prompts: str | tuple[str, ...] = "builtin"
-    store: str | None = None  # the content-addressed store of generated data; None: output_dir/store
+    # The content-addressed store of generated data; None: output_dir/store. A relative path in a config file is
+    # relative to that file's folder (one given as an override, to the working directory).
+    store: str | None = None
     regenerate: bool = True  # False: train on the files' own assistant turns instead of the target's
     samples_per_prompt: int = 0  # sampled responses per prompt, beside the greedy one
     sample_temperature: float = 1.0
@@ -338,7 +341,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
       path: the YAML file (None: defaults only).
       overrides: `section.key=value` strings, applied in order.
     Returns:
-      The validated TrainConfig. Raises InputError on a missing file, bad YAML, unknown keys or wrong types.
+      The validated TrainConfig, with a relative `data.store` of the file made absolute against the file's folder,
+      so that a config finds its store from any working directory. Raises InputError on a missing file, bad YAML,
+      unknown keys or wrong types.
     """
     raw: dict = {}
     if path is not None:
@@ -348,6 +353,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
             raise InputError(f"cannot read config {str(path)!r}: {e.strerror}") from None
         except yaml.YAMLError as e:
             raise InputError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        data = raw.get("data") if isinstance(raw, dict) else None
+        if isinstance(data, dict) and isinstance(data.get("store"), str):
+            data["store"] = os.path.abspath(Path(path).parent / data["store"])
     for override in overrides:
         apply_override(raw, override)
     return _build(TrainConfig, raw, "")

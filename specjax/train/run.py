@@ -84,6 +84,8 @@ def check_record(cfg: TrainConfig) -> None:
     trained = (cfg.output_path / "train").exists()
     for section in _DATA_SECTIONS + (_TRAIN_SECTIONS if trained else ()):
         a, b = {**defaults[section], **previous.get(section, {})}, dict(current[section])
+        if section == "data":  # the store is content-addressed: where it lives does not change what a run read
+            a.pop("store"), b.pop("store")
         if section == "training":
             changed = {k: (a.get(k), b[k]) for k in RESUMABLE_TRAINING_KEYS if a.get(k) != b[k]}
             if trained and changed:
