@@ -4,13 +4,102 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import numbers
+import reprlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
 
 # HF `model_type` -> the features that family uses. Everything else is read from config.json.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+INT32_END = 2**31  # sizes and token ids live in int32 arrays on the device
+REQUIRED: Any = object()  # the default of a key that must be present
+
+
+class MetadataFields:
+    """Typed reads of a checkpoint's metadata: a config.json-style object, or GGUF key/values.
+
+    Every value a loader uses is read through one of these methods, so nothing in a checkpoint is taken on trust:
+    each checks the value's type and range and refuses it with one CheckpointError line naming the file and the key.
+    A key that is absent or null reads as `default`, which is trusted; with the default REQUIRED it must be present.
+
+    Args:
+      data: the parsed object.
+      source: the file it came from (or the GGUF path), named in every error.
+      prefix: the path of this object inside the file, e.g. "rope_scaling." (see `mapping`).
+      remedy: what the user should do about a bad value.
+    """
+
+    def __init__(self, data: Mapping[str, Any], source: str, prefix: str = "", remedy: str = "fix or re-download it"):
+        self.data, self.source, self.prefix, self.remedy = data, source, prefix, remedy
+
+    def error(self, message: str) -> CheckpointError:
+        """A CheckpointError about this metadata: the source, then `message`."""
+        return CheckpointError(f"{self.source}: {message}")
+
+    def read(self, key: str, expected: str, valid: Callable[[Any], bool], default: Any = REQUIRED) -> Any:
+        """The value of `key` if `valid(value)`; `expected` describes a valid one in the error."""
+        value = self.data.get(key)
+        if value is None and default is not REQUIRED:
+            return default
+        if not valid(value):
+            got = "nothing" if value is None else reprlib.repr(value)
+            raise self.error(f"{self.prefix}{key} must be {expected}, got {got}; {self.remedy}")
+        return value
+
+    def integer(self, key: str, low: int = 1, end: int = INT32_END, default: Any = REQUIRED) -> int:
+        """An int in [low, end) (a bool is not an int here); the default range is that of a size."""
+        return self.read(key, f"an integer in {low}..{end - 1}", lambda v: _is_int(v) and low <= v < end, default)
+
+    def integers(self, key: str, low: int = 0, end: int = INT32_END, default: Any = REQUIRED) -> tuple[int, ...]:
+        """A list of ints, each in [low, end), as a tuple (or `default`)."""
+        value = self.read(
+            key,
+            f"a list of integers in {low}..{end - 1}",
+            lambda v: isinstance(v, list) and all(_is_int(i) and low <= i < end for i in v),
+            default,
+        )
+        return tuple(value) if isinstance(value, list) else value
+
+    def positive(self, key: str, default: Any = REQUIRED) -> float:
+        """A finite number > 0 (an int is accepted)."""
+        return float(self.read(key, "a finite number > 0", lambda v: _is_number(v) and 0 < v < math.inf, default))
+
+    def flag(self, key: str, default: Any = REQUIRED) -> bool:
+        return self.read(key, "true or false", lambda v: isinstance(v, bool), default)
+
+    def text(self, key: str, default: Any = REQUIRED) -> str:
+        return self.read(key, "a string", lambda v: isinstance(v, str), default)
+
+    def strings(self, key: str, default: Any = REQUIRED) -> list[str]:
+        return self.read(
+            key, "a list of strings", lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v), default
+        )
+
+    def token_ids(self, key: str, vocab_size: int = INT32_END) -> tuple[int, ...]:
+        """HF's `eos_token_id`: one token id or a list of them, each in [0, vocab_size); () when absent."""
+
+        def is_id(v: Any) -> bool:
+            return _is_int(v) and 0 <= v < vocab_size
+
+        expected = f"a token id in 0..{vocab_size - 1} or a list of them"
+        value = self.read(key, expected, lambda v: is_id(v) or isinstance(v, list) and all(map(is_id, v)), ())
+        return (value,) if _is_int(value) else tuple(value)
+
+    def mapping(self, key: str) -> MetadataFields | None:
+        """A nested object, read with the same checks (its keys named `key.inner`); None when absent."""
+        value = self.read(key, "an object of keys and values", lambda v: isinstance(v, Mapping), None)
+        return None if value is None else MetadataFields(value, self.source, f"{self.prefix}{key}.", self.remedy)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +115,12 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2)."""
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
+
+    Each check is written once: `from_hf` reads every config.json value through `MetadataFields` (its type and
+    range, naming the file and key); `__post_init__` checks the relations between fields, for configs built in code
+    too, and `from_hf` adds the file's name to its message.
+    """
 
     model_type: str
     vocab_size: int
@@ -49,8 +143,8 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise UnsupportedModelError(
-                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            raise CheckpointError(
+                f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
             )
 
     @property
@@ -59,49 +153,43 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
-        """Builds a config from the dict of an HF `config.json`.
+    def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+        """Builds a config from the dict of an HF `config.json`, every field read through `MetadataFields`.
 
         Args:
-          hf: the parsed config.json.
+          hf: the parsed config.json (or the dict `specjax.io.gguf.hf_config_from_gguf` builds).
+          source: the file it came from, named in errors.
         Returns:
-          The ModelConfig. Raises UnsupportedModelError for a model type or rope scaling specjax does not implement.
+          The ModelConfig. Raises CheckpointError naming the file and key of a missing, mistyped, out-of-range or
+          inconsistent field, and UnsupportedModelError for a model type or rope scaling specjax does not implement.
         """
-        model_type = hf.get("model_type")
+        fields = MetadataFields(hf, source)
+        model_type = fields.text("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported; specjax runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"{source}: model_type {model_type!r} is not supported; specjax runs {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        vocab = fields.integer("vocab_size")
+        use_window = fields.flag("use_sliding_window", model_type == "mistral")
+        values = dict(
+            model_type=model_type,
+            vocab_size=vocab,
+            **layer_sizes_from_hf(fields),
+            num_layers=fields.integer("num_hidden_layers"),
+            rms_norm_eps=fields.positive("rms_norm_eps", 1e-6 if model_type.startswith("qwen") else 1e-5),
+            **rope_from_hf(fields),
+            tie_word_embeddings=fields.flag("tie_word_embeddings", False),
+            attention_bias=fields.flag("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+            sliding_window=fields.integer("sliding_window", default=None) if use_window else None,
+            max_position_embeddings=fields.integer("max_position_embeddings", default=4096),
+            bos_token_id=fields.integer("bos_token_id", 0, vocab, default=None),
+            eos_token_ids=fields.token_ids("eos_token_id", vocab),
+        )
         try:
-            hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-            eos = hf.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            use_window = hf.get("use_sliding_window", model_type == "mistral")
-            window = hf.get("sliding_window") if use_window else None
-            return cls(
-                model_type=model_type,
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type.startswith("qwen") else 1e-5)),
-                rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-                rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling") or hf.get("rope_parameters")),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-                qk_norm=model_type == "qwen3",
-                sliding_window=int(window) if window else None,
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-            )
-        except KeyError as e:
-            raise UnsupportedModelError(f"config.json lacks the required field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"config.json has a malformed field ({e}); fix or re-download it") from None
+            return cls(**values)
+        except CheckpointError as e:
+            raise fields.error(f"{e}; {fields.remedy}") from None
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict of this config (inverse of `from_hf`)."""
@@ -140,25 +228,58 @@ _ARCHITECTURES = {
 }
 
 
-def rope_scaling_from_hf(raw: Mapping[str, Any] | None) -> RopeScaling | None:
-    """The RopeScaling of a config.json `rope_scaling` entry (None for none or the default); UnsupportedModelError for
-    a type specjax does not implement."""
-    if not raw:
+def layer_sizes_from_hf(fields: MetadataFields) -> dict[str, int]:
+    """A decoder layer's sizes in a config.json, under ModelConfig's names: hidden_size, intermediate_size, num_heads,
+    num_kv_heads (default: num_attention_heads) and head_dim (default: hidden_size // num_attention_heads)."""
+    hidden, heads = fields.integer("hidden_size"), fields.integer("num_attention_heads")
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=fields.integer("intermediate_size"),
+        num_heads=heads,
+        num_kv_heads=fields.integer("num_key_value_heads", default=heads),
+        head_dim=fields.integer("head_dim", default=hidden // heads),
+    )
+
+
+def rope_from_hf(fields: MetadataFields) -> dict[str, Any]:
+    """rope_theta and rope_scaling of a config.json: top-level `rope_theta` / `rope_scaling`, else the
+    `rope_parameters` object (transformers >= 5) that holds both."""
+    params = fields.mapping("rope_parameters")
+    return dict(
+        rope_theta=fields.positive("rope_theta", params.positive("rope_theta", 10000.0) if params else 10000.0),
+        rope_scaling=rope_scaling_from_hf(fields.mapping("rope_scaling") or params),
+    )
+
+
+def rope_scaling_from_hf(raw: MetadataFields | None) -> RopeScaling | None:
+    """The RopeScaling of a config.json `rope_scaling` (or `rope_parameters`) object: None for none or the default.
+
+    Args:
+      raw: the object, as `MetadataFields.mapping` returns it.
+    Returns:
+      The scaling. Raises CheckpointError for a malformed field, UnsupportedModelError for a type specjax does not
+      implement.
+    """
+    if raw is None:
         return None
-    rope_type = raw.get("rope_type", raw.get("type", "default"))
+    rope_type = raw.text("rope_type", raw.text("type", "default"))
     if rope_type == "default":
         return None
-    if rope_type == "llama3":
-        return RopeScaling(
-            "llama3",
-            float(raw["factor"]),
-            float(raw.get("low_freq_factor", 1.0)),
-            float(raw.get("high_freq_factor", 4.0)),
-            int(raw.get("original_max_position_embeddings", 8192)),
-        )
     if rope_type == "linear":
-        return RopeScaling("linear", float(raw["factor"]))
-    raise UnsupportedModelError(f"rope scaling {rope_type!r} is not supported; specjax implements llama3 and linear")
+        return RopeScaling("linear", raw.positive("factor"))
+    if rope_type != "llama3":
+        raise UnsupportedModelError(
+            f"{raw.source}: rope scaling {rope_type!r} is not supported; specjax implements llama3 and linear"
+        )
+    low, high = raw.positive("low_freq_factor", 1.0), raw.positive("high_freq_factor", 4.0)
+    if low >= high:
+        raise raw.error(f"{raw.prefix}low_freq_factor={low} must be below high_freq_factor={high}; {raw.remedy}")
+    return RopeScaling(
+        "llama3", raw.positive("factor"), low, high, raw.integer("original_max_position_embeddings", default=8192)
+    )
+
+
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,10 +291,14 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise InputError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        # The values live in float32 / int32 arrays: a temperature past float32's range would become infinite.
+        if not (0 <= self.temperature <= FLOAT32_MAX):
+            raise InputError(
+                f"temperature must be a number in 0..{FLOAT32_MAX:.3g} (0 = greedy), got {self.temperature}"
+            )
+        integral = isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool)
+        if not (integral and 0 <= self.top_k < INT32_END):
+            raise InputError(f"top_k must be an integer in 0..{INT32_END - 1} (0 = off), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
 

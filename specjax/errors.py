@@ -15,3 +15,7 @@ class UnsupportedModelError(SpecjaxError):
 
 class InputError(SpecjaxError):
     """A prompt, option or sampling value is out of range."""
+
+
+class OutputError(SpecjaxError):
+    """A file cannot be written: a full or read-only disk, a missing permission, or a link where a file goes."""

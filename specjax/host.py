@@ -1,22 +1,29 @@
 """Facts about the host that every layer may read: the device's identity, the cache folder, cached measurements,
 and the status lines of long steps.
 
-The ground floor: it imports nothing else from specjax. A measurement is cached under a key that names the device
+The ground floor: it imports nothing else from specjax but its errors. Every file specjax writes goes through
+`write_file` or `append_text`: atomic where it replaces, never through a link, one OutputError line when the disk
+refuses. A measurement is cached under a key that names the device
 (`machine`) and everything else it depends on, so a figure taken on one machine is never read on another.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
 import logging
 import os
 import platform
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+
+from specjax.errors import OutputError
 
 # The vector extensions that decide a CPU's matmul speed. Cloud CPUs often share one model name ("AMD EPYC")
 # across generations that differ 2-3x per token, so the key names them too.
@@ -40,10 +47,23 @@ def status(message: str) -> None:
 
 
 def cache_dir() -> Path:
-    """The specjax cache: `$SPECJAX_CACHE`, else `$XDG_CACHE_HOME/specjax`, else `~/.cache/specjax`."""
+    """The specjax cache: `$SPECJAX_CACHE`, else `$XDG_CACHE_HOME/specjax`, else `~/.cache/specjax`. A cache is an
+    optimisation: when that folder cannot be made or written, a warning and a temporary folder for this process."""
     if os.environ.get("SPECJAX_CACHE"):
-        return Path(os.environ["SPECJAX_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specjax"
+        return _usable_cache(os.environ["SPECJAX_CACHE"])
+    return _usable_cache(str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specjax"))
+
+
+@functools.cache
+def _usable_cache(folder: str) -> Path:
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+        return Path(folder)
+    except OSError as e:
+        fallback = Path(tempfile.mkdtemp(prefix="specjax-cache-"))
+        log.warning(f"warning: the cache {folder} is unusable ({e.strerror}); this run caches in {fallback}")
+        return fallback
 
 
 def machine(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -65,15 +85,70 @@ def machine(cpuinfo: str = "/proc/cpuinfo") -> str:
 
 def cached_measurement(kind: str, signature: dict[str, Any], measure: Callable[[], Any]) -> Any:
     """The value `measure()` returned for this signature on this machine: read from `cache_dir()/kind`, else measured
-    now and written there atomically, beside the signature it was taken under."""
+    now and written there, beside the signature it was taken under. An unreadable entry is measured again and
+    rewritten; one that cannot be written is a warning."""
     signature = {"machine": machine(), **signature}
     key = hashlib.sha256(f"{kind} {json.dumps(signature, sort_keys=True)}".encode()).hexdigest()[:20]
     path = cache_dir() / kind / f"{key}.json"
     if path.is_file():
-        return json.loads(path.read_text())["value"]
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))["value"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+            log.warning(f"warning: ignoring the unreadable cache entry {path}; measuring again")
     value = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**signature, "value": value}, indent=1))
-    os.replace(tmp, path)
+    try:
+        write_file(path, json.dumps({**signature, "value": value}, indent=1))
+    except OutputError as e:
+        log.warning(f"warning: {e}; the {kind} is not cached")
     return value
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def write_file(path: str | os.PathLike, content: str | bytes | Callable[[str], None]) -> None:
+    """Writes `path` (and its folder) atomically, never through a link: into a fresh temporary file beside it
+    (created exclusively), then renamed over `path`, which replaces a link there rather than following it.
+
+    Args:
+      path: the file.
+      content: text (UTF-8), bytes, or a function that writes the file whose name it is given (the name ends in
+        `path`'s suffix, for writers that read the format from it).
+    Raises:
+      OutputError naming the file when the disk refuses (full, read-only, no permission); `path` is then untouched.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp{path.suffix}")
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if not callable(content):
+                f.write(content.encode("utf-8") if isinstance(content, str) else content)
+        if callable(content):
+            content(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def append_text(path: str | os.PathLike, text: str) -> None:
+    """Appends `text` to `path` (created if absent), never through a link; OutputError when the disk refuses."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OutputError(f"{path} is a symbolic link; specjax does not write through links: remove it") from None
+        raise OutputError(f"cannot write {path}: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror}") from None

@@ -34,3 +34,20 @@ def hf_smollm2():
     missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # lm_head is tied to the embedding
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, smollm2):
+    """A tiny random llama HF folder with SmolLM2's tokenizer and a 96-token maximum length."""
+    import jax
+
+    from specjax.config import ModelConfig
+    from specjax.io.hf import save_hf
+    from specjax.models.llama import init_weights
+
+    folder = tmp_path_factory.mktemp("tiny")
+    tokenizer = smollm2.tokenizer
+    cfg = ModelConfig("llama", tokenizer.vocab_size, 16, 32, 2, 2, 1, 8, max_position_embeddings=96, eos_token_ids=(2,))
+    save_hf(folder, cfg, init_weights(cfg, jax.random.key(0)))
+    tokenizer.to_folder(folder)
+    return folder

@@ -2,27 +2,12 @@
 
 import json
 
-import jax
 import numpy as np
 import pytest
 
 from specjax.cli.generate import entry
-from specjax.config import ModelConfig
-from specjax.io.hf import save_hf
 from specjax.io.loading import embedded_gguf
 from specjax.io.tokenizer import Tokenizer
-from specjax.models.llama import init_weights
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, smollm2):
-    """A tiny random llama with SmolLM2's tokenizer and a 96-token maximum length."""
-    folder = tmp_path_factory.mktemp("tiny")
-    tokenizer = smollm2.tokenizer
-    cfg = ModelConfig("llama", tokenizer.vocab_size, 16, 32, 2, 2, 1, 8, max_position_embeddings=96, eos_token_ids=(2,))
-    save_hf(folder, cfg, init_weights(cfg, jax.random.key(0)))
-    tokenizer.to_folder(folder)
-    return folder
 
 
 def run_cli(capsys, *argv):

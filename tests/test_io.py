@@ -392,7 +392,7 @@ def test_bad_configs(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**hf, "quantization_config": {"quant_method": "awq"}}))
     _assert_one_line_error(UnsupportedModelError, "awq", load_hf, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**hf, "hidden_size": "wide"}))
-    _assert_one_line_error(CheckpointError, "malformed", load_hf, tmp_path)
+    _assert_one_line_error(CheckpointError, "config.json: hidden_size must be an integer", load_hf, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     _assert_one_line_error(CheckpointError, "no \\*.safetensors", load_hf, tmp_path)
 

@@ -39,6 +39,8 @@ def test_unknown_key_lists_the_valid_ones():
         ("training.steps=ten", "training.steps must be int"),
         ("training.steps=2.5", "training.steps must be int"),
         ("training.steps=true", "training.steps must be int"),
+        ("training.batch_size=1099511627776", r"training.batch_size must be an integer below 2\*\*31"),
+        ("training.seed=1208925819614629174706176", r"training.seed must be an integer below 2\*\*31"),
         ("training.learning_rate=fast", "training.learning_rate must be float"),
         ("model.tap_layers=3", "model.tap_layers must be a list"),
         ("model.tap_layers=[1, x]", r"model.tap_layers\[1\] must be int"),

@@ -57,8 +57,8 @@ def _softmax(x):
 
 
 def reference_ttt(head, embed, rows, taps, Z, K, decay):
-    """Row by row, step by step, straight from the alignment in specjax/train/ttt.py's docstring (and docs/eagle3-head.md,
-    section 5).
+    """Row by row, step by step, straight from the alignment in specjax/train/ttt.py's docstring (and
+    docs/eagle3-head.md, section 5).
 
     Step k, row t: embedding of x[t+1+k] (id 0 past the end), position p[t]+k, feature F[t] at k = 0 else the
     previous step's output; attention over the concatenated keys [step-0 rows s <= t of t's sample, step-1 row t,

@@ -31,7 +31,7 @@ from specjax.drafters.ngram import DEFAULT_NGRAM
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.evalsets import chat_prompts, humaneval_prompts
-from specjax.host import machine, status
+from specjax.host import machine, status, write_file
 from specjax.io.loading import LoadedModel, load_model
 from specjax.measure.bandwidth import device_bandwidth
 from specjax.measure.memory import weight_bytes
@@ -424,12 +424,16 @@ def parser() -> cli.ArgumentParser:
         "--num-draft-tokens", type=cli.draft_tokens, default=cli.DEFAULT_DRAFT_TOKENS,
         help="K for the chain modes; 'auto': every speculative mode drafts adaptively (specjax.adaptive)",
     )  # fmt: skip
-    p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, help="n-gram size of the ngram and ngram+eagle3 modes")
     p.add_argument(
-        "--lookup-tokens", type=int, default=None,
+        "--ngram", type=cli.integer, default=DEFAULT_NGRAM, help="n-gram size of the ngram and ngram+eagle3 modes"
+    )
+    p.add_argument(
+        "--lookup-tokens", type=cli.integer, default=None,
         help="ngram+eagle3: tokens the lookup proposes (default K); the head still drafts K",
     )  # fmt: skip
-    p.add_argument("--draft-layers", type=int, default=None, help="layers of the layerskip drafter (default L/4)")
+    p.add_argument(
+        "--draft-layers", type=cli.integer, default=None, help="layers of the layerskip drafter (default L/4)"
+    )
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head for the eagle3-chain, eagle3-tree, ngram+eagle3 modes")
     p.add_argument("--tree", default=None, help=f"depth,topk,budget of the eagle3-tree mode (default {DEFAULT_TREE})")
     p.add_argument("--dflash", default=None, help="DFlash draft folder for the dflash mode")
@@ -437,9 +441,9 @@ def parser() -> cli.ArgumentParser:
         "--prompt-set", choices=("humaneval", "chat"), default="humaneval",
         help="the prompts when none are given: HumanEval's 164, or specjax's 96 general-chat prompts (8 categories)",
     )  # fmt: skip
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--num-prompts", type=cli.integer, default=None, help="use only the first N prompts")
     p.add_argument(
-        "--repeats", type=int, default=1,
+        "--repeats", type=cli.integer, default=1,
         help="time every batch this many times (interleaved as before); the speedups are medians over all of them",
     )  # fmt: skip
     p.add_argument(
@@ -537,18 +541,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if sweep:
         table += "\n| tokens per row | forward (ms, median) | target steps |\n|---:|---:|---:|\n"
         table += "".join(f"| {r['tokens']} | {r['ms']:.1f} | {r['target_steps']:.2f} |\n" for r in sweep)
-    with cli.atomic_output(json_path) as tmp:
-        tmp.write_text(
-            json.dumps({"config": config, "modes": rows, **({"forward_costs": sweep} if sweep else {})}, indent=1)
-        )
-    with cli.atomic_output(args.out_dir / "bench.md") as tmp:
-        tmp.write_text(table)
+    report = {"config": config, "modes": rows, **({"forward_costs": sweep} if sweep else {})}
+    cli.write_results(json_path, json.dumps(report, indent=1))
+    write_file(args.out_dir / "bench.md", table)
     title = (
         f"{args.model}, {used} {prompt_set} prompts, batch {batch_size}, {args.max_new_tokens} new tokens, "
         f"T={args.temperature}"
     )
-    with cli.atomic_output(plot_path) as tmp:
-        plot(rows, tmp, title)
+    write_file(plot_path, lambda tmp: plot(rows, tmp, title))
     print(table)
     print(f"wrote {json_path}, {args.out_dir / 'bench.md'}, {plot_path}", file=sys.stderr)
 

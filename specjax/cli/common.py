@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from specjax.config import SamplingConfig
-from specjax.errors import InputError, SpecjaxError
+from specjax.config import INT32_END, SamplingConfig
+from specjax.errors import InputError, OutputError, SpecjaxError
+from specjax.host import status, write_file
 from specjax.io.jsonl import read_prompts_file
 from specjax.io.tokenizer import Tokenizer
 from specjax.measure.calibration import CALIBRATION_DRAFT_TOKENS
@@ -63,15 +63,17 @@ def add_model_args(parser: argparse.ArgumentParser, batch_default: str = "all, a
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": ...} object per line')
     parser.add_argument("--raw", action="store_true", help="tokenize prompts as they are, without the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=None, help=f"prompts per batch (default: {batch_default})")
+    parser.add_argument("--max-new-tokens", type=integer, default=128)
+    parser.add_argument(
+        "--batch-size", type=integer, default=None, help=f"prompts per batch (default: {batch_default})"
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-k", type=integer, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="0..2**63-1")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
@@ -117,16 +119,25 @@ def check_output_dir(folder: Path) -> Path:
     return folder
 
 
-@contextlib.contextmanager
-def atomic_output(path: Path):
-    """Yields a temporary path beside `path`; renames it to `path` when the block ends without an error, so a
-    reader never sees a partial file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
+def write_results(path: Path, text: str) -> None:
+    """Writes a results file (atomically, never through a link). When the disk refuses, the results go to stdout
+    instead, so nothing is lost, and the one-line error (exit code 2) says so."""
     try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        write_file(path, text)
+    except OutputError as e:
+        sys.stdout.write(text)
+        raise OutputError(f"{e}; the results are on stdout instead") from None
+
+
+def integer(text: str) -> int:
+    """An argparse type: an integer that fits the int32 arrays it ends up in."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -INT32_END <= value < INT32_END:
+        raise argparse.ArgumentTypeError(f"{value} is too large: the arrays hold 32-bit integers (below 2**31)")
+    return value
 
 
 def positive_ints(text: str) -> list[int]:
@@ -183,7 +194,7 @@ def adaptive_drafting(model, drafter, sampling, batch: int):
 
     adaptive = calibrated(model.weights, model.cfg, drafter, auto_max_drafts(drafter), batch=batch, sampling=sampling)
     speculative.check_inputs(model.cfg, drafter, adaptive)
-    print(f"[adaptive drafting, estimated cost of a round in plain steps: {menu_costs(adaptive)}]", file=sys.stderr)
+    status(f"adaptive drafting, estimated cost of a round in plain steps: {menu_costs(adaptive)}")
     return adaptive
 
 
@@ -193,8 +204,8 @@ def menu_costs(adaptive) -> str:
 
 
 def memory_plan_at(model, drafter, num_draft_tokens: int | str, prompt_len: int, max_new_tokens: int):
-    """The run's memory plan (`specjax.measure.memory`) as a function of its rows; `num_draft_tokens` 'auto' plans for the
-    largest draft adaptive drafting compiles."""
+    """The run's memory plan (`specjax.measure.memory`) as a function of its rows; `num_draft_tokens` 'auto' plans
+    for the largest draft adaptive drafting compiles."""
     shape = None
     if drafter is not None:
         shape = drafter.draft_shape(auto_max_drafts(drafter) if num_draft_tokens == "auto" else num_draft_tokens)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from specjax.cli import common as cli
 from specjax.errors import InputError
+from specjax.host import write_file
 
 
 def setting(config: dict) -> str:
@@ -101,10 +102,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     table_path, chart_path = cli.check_output_file(out.with_name(out.name + ".md")), out.with_name(out.name + ".png")
     runs = load_runs(args.runs)
     table = markdown_table(runs)
-    with cli.atomic_output(table_path) as tmp:
-        tmp.write_text(table)
-    with cli.atomic_output(chart_path) as tmp:
-        plot(runs, tmp, args.title)
+    write_file(table_path, table)
+    write_file(chart_path, lambda tmp: plot(runs, tmp, args.title))
     print(table)
     print(f"wrote {table_path}, {chart_path}", file=sys.stderr)
 

@@ -12,6 +12,7 @@ from specjax.decoding import speculative
 from specjax.decoding.autoregressive import generate
 from specjax.drafters import SPEC_HELP, drafter_from_spec
 from specjax.drafters.tree import TreeSpec
+from specjax.host import status
 from specjax.io.loading import load_model
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
@@ -28,7 +29,7 @@ def parser() -> cli.ArgumentParser:
         "plain decoding included, from this machine's measured costs and the acceptance so far",
     )  # fmt: skip
     p.add_argument(
-        "--lookup-tokens", type=int, default=None,
+        "--lookup-tokens", type=cli.integer, default=None,
         help="with --drafter ngram+SPEC: tokens the lookup proposes (default K); SPEC still drafts K",
     )  # fmt: skip
     p.add_argument(
@@ -40,7 +41,7 @@ def parser() -> cli.ArgumentParser:
         help="with --drafter eagle3:PATH: draft a dynamic tree (BUDGET nodes including the root) instead of a chain",
     )  # fmt: skip
     p.add_argument(
-        "--num-samples", type=int, default=1,
+        "--num-samples", type=cli.integer, default=1,
         help="N samples of each prompt, decoded in one batch whose N rows share the prompt's prefill",
     )  # fmt: skip
     p.add_argument("--json", dest="json_out", help="write the results to this JSON file")
@@ -118,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     same = [c.output_ids for c in ar.completions] == [c.output_ids for c in out.completions]
                     spec_stats["identical_to_ar"] = same
         if out.compile_seconds:
-            print(f"[compiled in {out.compile_seconds:.1f} s]", file=sys.stderr)
+            status(f"compiled in {out.compile_seconds:.1f} s")
         first = len(results)
         for i, c in enumerate(out.completions):
             n = len(c.output_ids)
@@ -151,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         f"{s['speedup_vs_ar']:.2f}x{same[s.get('identical_to_ar')]}]"
                     )
     if isinstance(verified, Adaptive):
-        print(f"[adaptive drafting, cost of a round after the timed calls: {cli.menu_costs(verified)}]", file=sys.stderr)
+        status(f"adaptive drafting, cost of a round after the timed calls: {cli.menu_costs(verified)}")
     if json_out:
         config = {
             "model": args.model,
@@ -170,8 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "tree": args.tree,
             "num_samples": args.num_samples,
         }
-        with cli.atomic_output(json_out) as tmp:
-            tmp.write_text(json.dumps({"config": config, "results": results}, indent=1, ensure_ascii=False), "utf-8")
+        cli.write_results(json_out, json.dumps({"config": config, "results": results}, indent=1, ensure_ascii=False))
         print(f"wrote {len(results)} results to {json_out}", file=sys.stderr)
 
 

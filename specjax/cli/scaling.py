@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specjax.cli import common as cli
+from specjax.host import write_file
 from specjax.train.config import load_config
 from specjax.train.run import run
 
@@ -83,9 +84,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         evaluation = json.loads((cfg.output_path / "eval.json").read_text())
         points.append({**trained, "steps": evaluation["step"], "sets": evaluation["sets"]})
     points.reverse()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"epochs": args.epochs, "points": points}, indent=1))
-    plot(points, args.out.with_suffix(".png"), f"{args.config.name}: {args.epochs} epochs per run")
+    cli.write_results(args.out.with_suffix(".json"), json.dumps({"epochs": args.epochs, "points": points}, indent=1))
+    title = f"{args.config.name}: {args.epochs} epochs per run"
+    write_file(args.out.with_suffix(".png"), lambda tmp: plot(points, tmp, title))
     for point in points:
         summary = ", ".join(f"{s} {m} {r[m]['mean_accepted']:.2f}" for s, r in point["sets"].items()
                             for m in ("chain", "tree"))  # fmt: skip

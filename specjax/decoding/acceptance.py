@@ -1,10 +1,10 @@
 """Acceptance: which drafts of a round the target keeps, and the one token it adds. One set of rules for every draft.
 
-A round's draft is a `specjax.drafters.tree.DraftTree` rooted at the pending token (a chain is the tree with one child per
-node), and the target has run once over all its nodes: its row m is the target's prediction after node m, given the
+A round's draft is a `specjax.drafters.tree.DraftTree` rooted at the pending token (a chain is the tree with one child
+per node), and the target has run once over all its nodes: its row m is the target's prediction after node m, given the
 path from the root to m. Every rule returns (n, next, last): n accepted drafts, the token the target adds after them
-(the correction, or the bonus), and the last accepted node (the root when n = 0), at depth n; the path from the root
-to it holds the accepted drafts.
+(the correction, or the bonus), and the last accepted node (the root when n = 0), at depth n; the path from the root to
+it holds the accepted drafts.
 
 - Greedy (`greedy_accept`): the deepest node whose every draft equals the target's argmax at its parent; the next
   token is the argmax after it. The output is token-identical to greedy autoregressive decoding.

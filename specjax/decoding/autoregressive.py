@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding.batch import Completion, compiled, completions, is_eos, prepare_batch
+from specjax.decoding.batch import Completion, compiled, completions, is_eos, prepare_batch, prng_key
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.sampling import Sampling, sample
@@ -153,7 +153,7 @@ def generate(
       A GenerateResult with num_samples Completions per prompt (adjacent), in prompt order.
     """
     req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
-    args = (weights, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed), req.sampling)
+    args = (weights, jnp.asarray(req.tokens), jnp.asarray(req.lengths), prng_key(seed), req.sampling)
     static = dict(cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=req.eos, num_samples=num_samples)
     executable, compile_seconds = compiled(decode, args, static)
     t0 = time.perf_counter()

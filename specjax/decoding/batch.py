@@ -7,6 +7,7 @@ executable is compiled once per (static arguments, shapes, dtypes, shardings) an
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections.abc import Sequence
 
@@ -101,6 +102,16 @@ def prepare_batch(
         tokens, lengths, eos, Sampling.of(sampling, rows), np.arange(rows) < len(prompts) * num_samples,
         [p for p in prompts for _ in range(num_samples)],
     )  # fmt: skip
+
+
+SEED_END = 2**63  # JAX's PRNG takes a 64-bit seed
+
+
+def prng_key(seed: int) -> jax.Array:
+    """The PRNG key of a request's seed, an integer in 0..2**63-1. Raises InputError."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < SEED_END:
+        raise InputError(f"seed must be an integer in 0..2**63-1, got {seed!r}")
+    return jax.random.key(int(seed))
 
 
 def completions(prompts: Sequence[Sequence[int]], out_bn, num_new_b, eos: tuple[int, ...]) -> list[Completion]:

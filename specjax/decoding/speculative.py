@@ -34,7 +34,7 @@ from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.acceptance import accept
 from specjax.decoding.autoregressive import GenerateResult, prefill
 from specjax.decoding.autoregressive import generate as plain_generate
-from specjax.decoding.batch import compiled, completions, is_eos, prepare_batch, prompt_bucket
+from specjax.decoding.batch import compiled, completions, is_eos, prepare_batch, prng_key, prompt_bucket
 from specjax.decoding.stats import SpecResult, SpecStats
 from specjax.drafters.base import Drafter, pending_tokens
 from specjax.drafters.tree import MAX_DRAFT_TOKENS, DraftTree, TreeSpec, path_to
@@ -354,7 +354,7 @@ def generate(
         )  # fmt: skip
         return as_plain_rounds(plain, policy.menu, max(depths), prompt_bucket(max(map(len, prompts))))
     req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
-    args = (weights, drafter, policy, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
+    args = (weights, drafter, policy, jnp.asarray(req.tokens), jnp.asarray(req.lengths), prng_key(seed),
             req.sampling, jnp.asarray(req.active))  # fmt: skip
     static = dict(cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=req.eos, num_samples=num_samples)
     executable, compile_seconds = compiled(speculative_decode, args, static)

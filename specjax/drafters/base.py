@@ -2,8 +2,8 @@
 
 A drafter is a pytree (its arrays are leaves, its options static), so it is passed into the loop's jit as an
 argument. On the host the loop calls `validate`; inside the jit it reads `traits` and `draft_shape(K)` (static),
-calls `init` and `commit` once after the prefill, then, every round, `regime`, `propose` and, after the verification, `commit`.
-Everything inside the jit runs in fixed shapes.
+calls `init` and `commit` once after the prefill, then, every round, `regime`, `propose` and, after the verification,
+`commit`. Everything inside the jit runs in fixed shapes.
 
 The loop keeps every row's committed text in a token buffer `tokens_bs` (prompt, then generated tokens) with
 `length_b` committed tokens per row. The last committed token (`tokens_bs[b, length_b - 1]`) is "pending": the target

@@ -220,7 +220,8 @@ def _draw(head: Eagle3Head, key: jax.Array, logits_bv: jax.Array, sampling: Samp
 def load_eagle3_drafter(
     path: str, target_cfg: ModelConfig, target_embed: jax.Array, tree: TreeSpec | None = None
 ) -> Eagle3Drafter:
-    """Loads a published-format EAGLE-3 head folder (config.json + safetensors) for this target. Raises CheckpointError / InputError."""
+    """Loads a published-format EAGLE-3 head folder (config.json + safetensors) for this target. Raises
+    CheckpointError / InputError."""
     from specjax.io.eagle3_checkpoint import load_eagle3
 
     _, head = load_eagle3(path, target_cfg, dtype=target_embed.dtype)

@@ -18,6 +18,7 @@ from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 
 DEFAULT_NGRAM = 3  # the longest tail prompt lookup matches, and the tail lookup-first drafting needs to recur
+MAX_NGRAM = 64  # a longer tail buys nothing and costs a compare per position and a policy estimate per length
 
 
 @jax.tree_util.register_dataclass
@@ -35,8 +36,10 @@ class NgramDrafter(ChainDrafter):
     min_n: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     def __post_init__(self):
-        if self.min_n < 1 or self.max_n < self.min_n:
-            raise InputError(f"n-gram sizes must satisfy 1 <= min_n <= n, got n={self.max_n}, min_n={self.min_n}")
+        if not 1 <= self.min_n <= self.max_n <= MAX_NGRAM:
+            raise InputError(
+                f"n-gram sizes must satisfy 1 <= min_n <= n <= {MAX_NGRAM}, got n={self.max_n}, min_n={self.min_n}"
+            )
 
     @property
     def traits(self) -> Traits:
@@ -117,8 +120,8 @@ class LookupFirstDrafter(ChainDrafter):
     fallback_tokens: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
-        if self.n < 1:
-            raise InputError(f"the n-gram size must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_NGRAM:
+            raise InputError(f"the n-gram size must be in 1..{MAX_NGRAM}, got {self.n}")
         if self.fallback_tokens is not None and self.fallback_tokens < 1:
             raise InputError(f"the fallback's draft tokens must be >= 1, got {self.fallback_tokens}")
         if self.fallback.draft_shape(1) != TreeSpec.chain(1):  # a chain drafter's shape follows K, a tree's does not

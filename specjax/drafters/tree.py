@@ -3,8 +3,8 @@
 Every round drafts a tree (`DraftTree`) of a static shape (`TreeSpec`). Node 0 is the root (the pending token,
 already committed); nodes are stored in creation order, so every parent precedes its children. A chain of K drafts is
 the tree with one child per node, `TreeSpec.chain(K)`: its nodes are the path itself, so it is verified under the
-causal mask and its accepted path already lies contiguous in the cache. `specjax.decoding.acceptance` decides what a round
-keeps, the same way for both.
+causal mask and its accepted path already lies contiguous in the cache. `specjax.decoding.acceptance` decides what a
+round keeps, the same way for both.
 
 Growth of a dynamic tree (EAGLE-2 style, `depth` - 1 expansion rounds after the root): the root's children are its
 top-k (greedy) or k draws without replacement (Gumbel-top-k, temperature > 0) from the processed draft distribution;

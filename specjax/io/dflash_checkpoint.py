@@ -34,7 +34,7 @@ def load_dflash(
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder; pass a DFlash draft folder (config.json + *.safetensors)")
-    cfg = DFlashConfig.from_hf(read_json(folder / "config.json"), target_cfg)
+    cfg = DFlashConfig.from_hf(read_json(folder / "config.json"), target_cfg, str(folder / "config.json"))
     cfg.check_target(target_cfg)
     D, F = cfg.layers.hidden_size, len(cfg.target_layer_ids) * target_cfg.hidden_size
     with open_tensors(folder) as stored:
@@ -45,7 +45,7 @@ def load_dflash(
             except KeyError:
                 return stored("model." + name)
 
-        fetch = hf_fetcher(get)
+        fetch = hf_fetcher(get, str(folder))
         host = DFlashWeights(
             fc=fetch("fc.weight", (D, F)).T,
             hidden_norm=fetch("hidden_norm.weight", (D,)),

@@ -23,7 +23,8 @@ import safetensors.numpy
 
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, InputError
-from specjax.io.hf import _atomic_write, _safetensors_files, open_tensors, read_json
+from specjax.host import write_file
+from specjax.io.hf import _safetensors_files, open_tensors, read_json
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -241,7 +242,7 @@ def check_eagle3(folder: str | os.PathLike, target_cfg: ModelConfig) -> Eagle3Co
 def _inspect(folder: Path, target_cfg: ModelConfig):
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder; pass a folder with config.json and model.safetensors")
-    cfg = Eagle3Config.from_hf(read_json(folder / "config.json"), target_cfg)
+    cfg = Eagle3Config.from_hf(read_json(folder / "config.json"), target_cfg, str(folder / "config.json"))
     headers: dict[str, tuple[str, tuple[int, ...]]] = {}
     for path in _safetensors_files(folder):
         headers.update(_read_header(path))
@@ -329,7 +330,6 @@ def save_eagle3(folder: str | os.PathLike, cfg: Eagle3Config, head: Eagle3Head, 
     hf = cfg.to_hf()
     hf["torch_dtype"] = _TORCH_DTYPE_NAMES[fdt]
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write(folder / "model.safetensors", lambda tmp: safetensors.numpy.save_file(stored, tmp, {"format": "pt"}))
+    write_file(folder / "model.safetensors", lambda tmp: safetensors.numpy.save_file(stored, tmp, {"format": "pt"}))
     text = json.dumps(hf, indent=2)
-    _atomic_write(folder / "config.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    write_file(folder / "config.json", text)

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from specjax.config import ModelConfig
-from specjax.errors import CheckpointError, UnsupportedModelError
-from specjax.host import cache_dir, status
+from specjax.config import REQUIRED, MetadataFields, ModelConfig
+from specjax.errors import CheckpointError, OutputError, UnsupportedModelError
+from specjax.host import cache_dir, log, status
 from specjax.io.hf import load_hf, write_hf_tensors
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.llama import Weights, rope_inv_freq, weights_from_hf
@@ -126,60 +126,60 @@ def _metadata(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable GGUF metadata ({_one_line(e)}); re-download it") from None
 
 
-def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """The HF config.json dict described by GGUF metadata.
+def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], source: str = "GGUF metadata") -> dict[str, Any]:
+    """The HF config.json dict described by GGUF metadata, each value read through `MetadataFields`.
 
     Args:
       meta: the GGUF metadata.
       tensor_names: the GGUF tensor names (they decide tied embeddings and q/k/v biases).
+      source: the GGUF file, named in errors.
     Returns:
-      The config dict. Raises UnsupportedModelError for unsupported architectures or features.
+      The config dict. Raises CheckpointError naming the key of a missing or malformed value, and
+      UnsupportedModelError for unsupported architectures or features.
     """
-    arch = meta.get("general.architecture")
+    fields = MetadataFields(meta, source, remedy="re-download or re-convert the file")
+    arch = fields.text("general.architecture")
     if arch not in _MODEL_TYPES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; specjax runs {', '.join(_MODEL_TYPES)} GGUF files"
         )
-    if meta.get(f"{arch}.expert_count"):
+
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    if fields.integer(key("expert_count"), 0, default=0):
         raise UnsupportedModelError("mixture-of-experts GGUF files are not supported; use a dense Llama-family model")
-
-    def num(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise CheckpointError(f"GGUF metadata lacks {arch}.{key}; re-convert the file with a recent llama.cpp")
-        if isinstance(value, list):
-            raise UnsupportedModelError(f"GGUF {arch}.{key} varies per layer; specjax needs uniform layers")
-        return value
-
-    hidden, heads = int(num("embedding_length")), int(num("attention.head_count"))
-    head_dim = int(num("attention.key_length", hidden // heads))
-    if int(num("rope.dimension_count", head_dim)) != head_dim:
+    for name in ("attention.head_count", "attention.head_count_kv", "feed_forward_length"):
+        if isinstance(meta.get(key(name)), list):
+            raise UnsupportedModelError(f"GGUF {key(name)} varies per layer; specjax needs uniform layers")
+    hidden, heads = fields.integer(key("embedding_length")), fields.integer(key("attention.head_count"))
+    head_dim = fields.integer(key("attention.key_length"), default=hidden // heads)
+    if fields.integer(key("rope.dimension_count"), default=head_dim) != head_dim:
         raise UnsupportedModelError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    stops = [
-        meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom") if f"tokenizer.ggml.{k}_token_id" in meta
-    ]
+    tokens = fields.strings("tokenizer.ggml.tokens", default=[])
+    vocab = fields.integer(key("vocab_size"), default=len(tokens) or REQUIRED)
+    stops = [fields.integer(f"tokenizer.ggml.{k}_token_id", 0, vocab, default=None) for k in ("eos", "eot", "eom")]
     hf: dict[str, Any] = {
         "model_type": _MODEL_TYPES[arch],
-        "vocab_size": int(num("vocab_size", len(tokens) or None)),
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(num("feed_forward_length")),
-        "num_hidden_layers": int(num("block_count")),
+        "intermediate_size": fields.integer(key("feed_forward_length")),
+        "num_hidden_layers": fields.integer(key("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(num("attention.head_count_kv", heads)),
+        "num_key_value_heads": fields.integer(key("attention.head_count_kv"), default=heads),
         "head_dim": head_dim,
-        "rms_norm_eps": _decimal(num("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _decimal(num("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(num("context_length", 4096)),
+        "rms_norm_eps": _decimal(fields.positive(key("attention.layer_norm_rms_epsilon"))),
+        "rope_theta": _decimal(fields.positive(key("rope.freq_base"), 10000.0)),
+        "max_position_embeddings": fields.integer(key("context_length"), default=4096),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "use_sliding_window": False,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": list(dict.fromkeys(stops)),
+        "bos_token_id": fields.integer("tokenizer.ggml.bos_token_id", 0, vocab, default=None),
+        "eos_token_id": list(dict.fromkeys(i for i in stops if i is not None)),
     }
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    scaling = fields.text(key("rope.scaling.type"), "none")
     if scaling == "linear":
-        hf["rope_scaling"] = {"rope_type": "linear", "factor": float(num("rope.scaling.factor"))}
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": fields.positive(key("rope.scaling.factor"))}
     elif scaling != "none":
         raise UnsupportedModelError(
             f"GGUF rope scaling {scaling!r} is not supported; specjax implements llama3, linear"
@@ -192,7 +192,7 @@ def _decimal(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _llama3_scaling(hf: dict[str, Any], divisors: np.ndarray) -> dict[str, Any]:
+def _llama3_scaling(hf: dict[str, Any], divisors: np.ndarray, source: str) -> dict[str, Any]:
     """The llama3 `rope_scaling` whose frequencies match llama.cpp's `rope_freqs` divisors, or UnsupportedModelError."""
     scaling = {
         "rope_type": "llama3",
@@ -201,8 +201,8 @@ def _llama3_scaling(hf: dict[str, Any], divisors: np.ndarray) -> dict[str, Any]:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    plain = rope_inv_freq(ModelConfig.from_hf({**hf, "rope_scaling": None}))
-    scaled = rope_inv_freq(ModelConfig.from_hf({**hf, "rope_scaling": scaling}))
+    plain = rope_inv_freq(ModelConfig.from_hf({**hf, "rope_scaling": None}, source))
+    scaled = rope_inv_freq(ModelConfig.from_hf({**hf, "rope_scaling": scaling}, source))
     if divisors.shape != plain.shape or not np.allclose(scaled, plain / divisors, rtol=1e-4):
         raise UnsupportedModelError("GGUF rope_freqs do not match llama3 rope scaling (factor, 1, 4, 8192)")
     return scaling
@@ -220,8 +220,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
     path = Path(path)
     reader = _open(path)
     meta = _metadata(reader, path)
-    hf = hf_config_from_gguf(meta, {t.name for t in reader.tensors})
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    hf = hf_config_from_gguf(meta, {t.name for t in reader.tensors}, str(path))
+    tokenizer = Tokenizer.from_gguf_metadata(meta, str(path))
     permute = (
         {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
         if hf["model_type"] == "llama"
@@ -243,13 +243,13 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
             raise CheckpointError(f"{path}: tensor {t.name} holds {w.size} values, expected {shape}; re-download it")
         w = w.reshape(shape)
         if t.name == _ROPE_FREQS:
-            hf["rope_scaling"] = _llama3_scaling(hf, w)
+            hf["rope_scaling"] = _llama3_scaling(hf, w, str(path))
             continue
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if kind in permute:
+        if kind in permute and w.shape[0] % (2 * permute[kind]) == 0:  # weights_from_hf names a mis-shaped one
             w = unpermute_qk(w, permute[kind])
         tensors[hf_name(t.name)] = w
-    return ModelConfig.from_hf(hf), tensors, tokenizer
+    return ModelConfig.from_hf(hf, str(path)), tensors, tokenizer
 
 
 def load_gguf(
@@ -271,20 +271,25 @@ def load_gguf(
         raise CheckpointError(f"{path} does not exist; pass a .gguf file")
     folder = converted_folder(path)
     if folder.is_dir():
-        cfg, weights = load_hf(folder, dtype, shardings)
-        return cfg, weights, Tokenizer.from_folder(folder)
+        try:
+            cfg, weights = load_hf(folder, dtype, shardings)
+            return cfg, weights, Tokenizer.from_folder(folder)
+        except CheckpointError as e:
+            log.warning(f"warning: the cached conversion is damaged ({e}); converting again")
+            shutil.rmtree(folder, ignore_errors=True)
     status(f"converting {path.name} to safetensors in {folder.parent} (once)")
     cfg, tensors, tokenizer = read_gguf(path)
-    weights = weights_from_hf(cfg, tensors.__getitem__, dtype, shardings)  # checks names and shapes before caching
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    weights = weights_from_hf(cfg, tensors.__getitem__, dtype, shardings, str(path))  # checked before caching
     try:
-        write_hf_tensors(tmp, cfg.to_hf(), tensors)
-        tokenizer.to_folder(tmp)
-        os.replace(tmp, folder)
-    except OSError:
-        if not folder.is_dir():  # a concurrent conversion that finished first is as good as ours
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        try:
+            write_hf_tensors(tmp, cfg.to_hf(), tensors)
+            tokenizer.to_folder(tmp)
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, OutputError) as e:
+        if not folder.is_dir():  # else a concurrent conversion that finished first is as good as ours
+            log.warning(f"warning: cannot cache the conversion in {folder.parent} ({e}); the next run converts again")
     return cfg, weights, tokenizer

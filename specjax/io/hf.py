@@ -5,8 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,9 @@ import numpy as np
 import safetensors.numpy
 from safetensors import SafetensorError, safe_open
 
-from specjax.config import ModelConfig
+from specjax.config import MetadataFields, ModelConfig
 from specjax.errors import CheckpointError, UnsupportedModelError
+from specjax.host import write_file
 from specjax.models.llama import Weights, weights_from_hf, weights_to_hf
 
 
@@ -55,7 +55,7 @@ def read_config(folder: Path) -> ModelConfig:
         raise UnsupportedModelError(
             f"{path} describes a {method}-quantized checkpoint; use its float (bf16/fp16/fp32) release or a GGUF"
         )
-    return ModelConfig.from_hf(hf)
+    return ModelConfig.from_hf(hf, str(path))
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -75,9 +75,11 @@ def _safetensors_files(folder: Path) -> list[Path]:
         return [single]
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index} has no weight_map; re-download it")
+        weight_map = MetadataFields(read_json(index), str(index)).read(
+            "weight_map",
+            "a non-empty object mapping tensor names to shard file names in the folder",
+            lambda v: isinstance(v, dict) and v and all(isinstance(f, str) and Path(f).name == f for f in v.values()),
+        )
         files = [folder / name for name in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -137,24 +139,8 @@ def load_hf(
         raise CheckpointError(f"{folder} is not a folder; pass a folder with config.json and *.safetensors")
     cfg = read_config(folder)
     with open_tensors(folder) as get:
-        weights = weights_from_hf(cfg, get, dtype, shardings)
+        weights = weights_from_hf(cfg, get, dtype, shardings, str(folder))
     return cfg, weights
-
-
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Calls write(tmp) on a temporary file next to `path`, then renames it over `path` with the permissions a plain
-    open() would have given it (mkstemp's are owner-only)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def write_hf_tensors(
@@ -170,15 +156,14 @@ def write_hf_tensors(
         tensors keep theirs.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     arrays = {name: np.asarray(t) for name, t in tensors.items()}
     stored = {
         name: np.ascontiguousarray(t.astype(dtype) if np.issubdtype(t.dtype, np.floating) else t)
         for name, t in arrays.items()
     }
-    _atomic_write(folder / "model.safetensors", lambda tmp: safetensors.numpy.save_file(stored, tmp, {"format": "pt"}))
+    write_file(folder / "model.safetensors", lambda tmp: safetensors.numpy.save_file(stored, tmp, {"format": "pt"}))
     text = json.dumps(dict(hf_config), indent=2)
-    _atomic_write(folder / "config.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    write_file(folder / "config.json", text)
 
 
 def save_hf(folder: str | os.PathLike, cfg: ModelConfig, weights: Weights, dtype=np.float32) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import reprlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
+from specjax.config import MetadataFields
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
+from specjax.host import write_file
 from specjax.io.hf import read_json
 
 # Split regexes of the byte-level BPE vocabularies, keyed by the llama.cpp `tokenizer.ggml.pre` names that use them.
@@ -59,11 +62,40 @@ def _byte_level_pipeline(pre: str) -> tuple[Any, Any, bool]:
     return normalizers.NFC(), pre_tok, False
 
 
-def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with `content`."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+def _special_token(config: MetadataFields, key: str) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken object with `content`."""
+    value = config.read(
+        key,
+        "a string or an object with a string 'content'",
+        lambda v: isinstance(v, str) or isinstance(v, dict) and isinstance(v.get("content"), str),
+        None,
+    )
+    return value["content"] if isinstance(value, dict) else value
+
+
+def _chat_template(config: MetadataFields) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or HF's named templates [{"name": ..., "template": ...}],
+    whose "default" one is the chat template (as in transformers)."""
+
+    def named(v: Any) -> bool:
+        return isinstance(v, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in v
+        )
+
+    value = config.read(
+        "chat_template",
+        'a string or a list of {"name", "template"} objects with a "default" one',
+        lambda v: isinstance(v, str) or named(v) and any(t["name"] == "default" for t in v),
+        None,
+    )
+    return next(t["template"] for t in value if t["name"] == "default") if isinstance(value, list) else value
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not readable UTF-8 text ({e}); fix or re-download it") from None
 
 
 class Tokenizer:
@@ -102,7 +134,8 @@ class Tokenizer:
         Args:
           folder: an HF model folder.
         Returns:
-          The Tokenizer. Raises CheckpointError when tokenizer.json is missing or unreadable.
+          The Tokenizer. Raises CheckpointError when tokenizer.json is missing or unreadable, or a value in the other
+          files is malformed (naming the file and key).
         """
         folder = Path(folder)
         path = folder / "tokenizer.json"
@@ -113,48 +146,62 @@ class Tokenizer:
         except Exception as e:
             reason = str(e).partition("\n")[0]
             raise CheckpointError(f"cannot parse {path} ({reason}); re-download it") from None
-        config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # [{"name": ..., "template": ...}]: the "default" one is the chat template
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        if (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-        extra: list[int] = []
-        if (folder / "generation_config.json").is_file():
-            eos = read_json(folder / "generation_config.json").get("eos_token_id")
-            extra = [int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos])]
-        return cls(
-            backend,
-            template if isinstance(template, str) else None,
-            _token_text(config.get("bos_token")),
-            _token_text(config.get("eos_token")),
-            extra,
-        )
+        config_path = folder / "tokenizer_config.json"
+        jinja, generation = folder / "chat_template.jinja", folder / "generation_config.json"
+        config = MetadataFields(read_json(config_path) if config_path.is_file() else {}, str(config_path))
+        template = _read_text(jinja) if jinja.is_file() else _chat_template(config)
+        extra: tuple[int, ...] = ()
+        if generation.is_file():
+            stops = MetadataFields(read_json(generation), str(generation))
+            extra = stops.token_ids("eos_token_id", backend.get_vocab_size(with_added_tokens=True))
+        return cls(backend, template, _special_token(config, "bos_token"), _special_token(config, "eos_token"), extra)
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "GGUF metadata") -> Tokenizer:
         """Builds a byte-level BPE tokenizer from GGUF `tokenizer.*` metadata (`tokenizer.ggml.model == "gpt2"`).
 
         Args:
           meta: GGUF key -> value (strings, numbers, lists), as read by `specjax.io.gguf.read_gguf_metadata`.
+          source: the GGUF file, named in errors.
         Returns:
-          The Tokenizer. Raises UnsupportedModelError for other tokenizer models or unknown pre-tokenizers.
+          The Tokenizer. Raises CheckpointError naming the key of a missing or malformed value, and
+          UnsupportedModelError for other tokenizer models or unknown pre-tokenizers.
         """
-        model = meta.get("tokenizer.ggml.model")
+        fields = MetadataFields(meta, source, remedy="re-download or re-convert the file")
+        model = fields.text("tokenizer.ggml.model", None)
         if model != "gpt2":
             raise UnsupportedModelError(
                 f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
                 "use the model's HF folder with tokenizer.json instead"
             )
-        tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
-        if not tokens:
-            raise CheckpointError("GGUF has no tokenizer.ggml.tokens; re-download or re-convert the file")
-        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        normalizer, pre_tok, ignore_merges = _byte_level_pipeline(meta.get("tokenizer.ggml.pre", "default"))
+        tokens = fields.read(
+            "tokenizer.ggml.tokens",
+            "a non-empty list of strings",
+            lambda v: isinstance(v, list) and v and all(isinstance(t, str) for t in v),
+        )
+        types = fields.integers("tokenizer.ggml.token_type", default=(1,) * len(tokens))
+        if len(types) != len(tokens):
+            raise fields.error(
+                f"tokenizer.ggml.token_type lists {len(types)} types for {len(tokens)} tokens; {fields.remedy}"
+            )
+        merges = fields.read(
+            "tokenizer.ggml.merges",
+            "a list of 'left right' strings",
+            lambda v: isinstance(v, list) and all(isinstance(m, str) and " " in m for m in v),
+            [],
+        )
+        pre = fields.text("tokenizer.ggml.pre", "default")
+        normalizer, pre_tok, ignore_merges = _byte_level_pipeline(pre)
 
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = Backend(BPE(vocab, merges, ignore_merges=ignore_merges))
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        unknown = [" ".join(p) for p in pairs if not (p[0] in vocab and p[1] in vocab and p[0] + p[1] in vocab)]
+        if unknown:  # the tokenizers library would panic on it
+            raise fields.error(
+                f"tokenizer.ggml.merges holds {unknown[0]!r}, whose parts or result are not in tokenizer.ggml.tokens; "
+                f"{fields.remedy}"
+            )
+        backend = Backend(BPE(vocab, pairs, ignore_merges=ignore_merges))
         backend.normalizer = normalizer
         backend.pre_tokenizer = pre_tok
         backend.decoder = decoders.ByteLevel()
@@ -166,25 +213,23 @@ class Tokenizer:
         backend.add_special_tokens([a for a in added if a.special])
         backend.add_tokens([a for a in added if not a.special])
 
-        def token(key: str) -> str | None:
-            i = meta.get(f"tokenizer.ggml.{key}_token_id")
-            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+        def token_id(kind: str) -> int | None:
+            return fields.integer(f"tokenizer.ggml.{kind}_token_id", 0, len(tokens), default=None)
 
-        bos, eos = token("bos"), token("eos")
-        add_bos = meta.get(
-            "tokenizer.ggml.add_bos_token", _PRE_FAMILIES.get(meta.get("tokenizer.ggml.pre")) == "llama3"
-        )
+        bos_id, eos_id = token_id("bos"), token_id("eos")
+        bos = None if bos_id is None else tokens[bos_id]
+        eos = None if eos_id is None else tokens[eos_id]
         single, specials = ["$A:0"], {}
-        if add_bos and bos is not None:
+        if fields.flag("tokenizer.ggml.add_bos_token", _PRE_FAMILIES.get(pre) == "llama3") and bos is not None:
             single.insert(0, f"{bos}:0")
-            specials[bos] = meta["tokenizer.ggml.bos_token_id"]
-        if meta.get("tokenizer.ggml.add_eos_token") and eos is not None:
+            specials[bos] = bos_id
+        if fields.flag("tokenizer.ggml.add_eos_token", False) and eos is not None:
             single.append(f"{eos}:0")
-            specials[eos] = meta["tokenizer.ggml.eos_token_id"]
+            specials[eos] = eos_id
         if specials:
             backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(specials.items()))
-        extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
-        return cls(backend, meta.get("tokenizer.chat_template"), bos, eos, extra)
+        extra = [i for i in (token_id("eot"), token_id("eom")) if i is not None]
+        return cls(backend, fields.text("tokenizer.chat_template", None), bos, eos, extra)
 
     def to_folder(self, folder: str | Path) -> None:
         """Writes tokenizer.json, tokenizer_config.json and (with more than one stop id) generation_config.json.
@@ -193,7 +238,7 @@ class Tokenizer:
           folder: an existing folder.
         """
         folder = Path(folder)
-        self.backend.save(str(folder / "tokenizer.json"))
+        write_file(folder / "tokenizer.json", self.backend.to_str(pretty=True))
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": self.bos_token,
@@ -201,9 +246,9 @@ class Tokenizer:
             "add_bos_token": self.add_bos,
             "chat_template": self.chat_template,
         }
-        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), "utf-8")
+        write_file(folder / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False))
         if len(self._eos_ids) > 1:
-            (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(self._eos_ids)}), "utf-8")
+            write_file(folder / "generation_config.json", json.dumps({"eos_token_id": list(self._eos_ids)}))
 
     # -- encoding ---------------------------------------------------------------------------------------------
 
@@ -214,9 +259,9 @@ class Tokenizer:
           text: the text.
           add_special_tokens: add what the tokenizer's post-processor adds (e.g. BOS).
         Returns:
-          The ids.
+          The ids. Raises InputError for what is not text (see `check_text`).
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode(check_text(text), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`.
@@ -285,7 +330,23 @@ class Tokenizer:
         Returns:
           The prompt ids (special tokens in the rendered text map to their ids; nothing else is added).
         """
-        return self.encode(self.apply_chat_template([{"role": "user", "content": prompt}]))
+        return self.encode(self.apply_chat_template([{"role": "user", "content": check_text(prompt)}]))
+
+
+def check_text(text: str) -> str:
+    """`text`, or InputError naming it when it is not a str or holds a lone surrogate (what Python makes of bytes on a
+    command line, or a \\udXXX escape in JSON, that are not valid UTF-8)."""
+    if not isinstance(text, str):
+        raise InputError(f"expected text (a str), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        shown = reprlib.repr(text)
+        raise InputError(
+            f"the text {shown} is not valid Unicode: character {e.start} is a lone surrogate "
+            f"({text[e.start]!r}), as undecodable bytes become; give it as UTF-8 text"
+        ) from None
+    return text
 
 
 def _compile(template: str) -> jinja2.Template:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig, rope_scaling_from_hf
+from specjax.config import MetadataFields, ModelConfig, layer_sizes_from_hf, rope_from_hf
 from specjax.errors import CheckpointError, InputError
 from specjax.models.llama import (
     ArraySpec,
@@ -53,7 +53,10 @@ class DFlashConfig:
 
     def __post_init__(self):
         if self.block_size < 2:
-            raise CheckpointError(f"a DFlash block holds the anchor and at least one mask token; got {self.block_size}")
+            raise CheckpointError(
+                f"block_size must be >= 2 (a DFlash block holds the anchor and at least one mask token), "
+                f"got {self.block_size}"
+            )
         if not self.target_layer_ids:
             raise CheckpointError("a DFlash draft reads at least one target layer; target_layer_ids is empty")
 
@@ -108,49 +111,48 @@ class DFlashConfig:
             raise InputError(f"mask_token_id {self.mask_token_id} is outside the target's {target.vocab_size} tokens")
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any], target: ModelConfig) -> DFlashConfig:
-        """Reads a DFlash config.json (DFlash keys from `dflash_config` first, then the top level); the vocabulary
-        is the target's. Raises CheckpointError for a malformed or unsupported config."""
-        inner = hf.get("dflash_config") or {}
+    def from_hf(cls, hf: Mapping[str, Any], target: ModelConfig, source: str = "DFlash config.json") -> DFlashConfig:
+        """Reads a DFlash config.json, every field through `MetadataFields` (DFlash keys from `dflash_config` first,
+        then the top level); the vocabulary is the target's. Raises CheckpointError naming the file and key of a
+        malformed field, or for a variant specjax does not run."""
+        fields = MetadataFields(hf, source)
+        inner = fields.mapping("dflash_config")
 
-        def key(name: str, default: Any = None) -> Any:
-            return inner.get(name, hf.get(name, default))
+        def dflash(name: str) -> MetadataFields:
+            """The object that sets DFlash key `name`: dflash_config if it does, else the top level."""
+            return inner if inner is not None and inner.data.get(name) is not None else fields
 
-        unsupported = [t for t in hf.get("layer_types") or () if t != "full_attention"]
-        if unsupported or hf.get("hidden_act", "silu") != "silu" or hf.get("tie_word_embeddings"):
-            raise CheckpointError(
+        layer_types, act = fields.strings("layer_types", default=[]), fields.text("hidden_act", "silu")
+        tied = fields.flag("tie_word_embeddings", False)
+        if any(t != "full_attention" for t in layer_types) or act != "silu" or tied:
+            raise fields.error(
                 "specjax runs DFlash drafts of full-attention, silu layers with the target's own LM head; this config "
-                f"has layer_types {hf.get('layer_types')}, hidden_act {hf.get('hidden_act')!r}"
+                f"has layer_types {layer_types}, hidden_act {act!r}"
             )
+        num_layers = fields.integer("num_hidden_layers")
+        num_target = dflash("num_target_layers").integer("num_target_layers", default=target.num_layers)
+        ids = dflash("target_layer_ids").integers("target_layer_ids", default=None)
+        layers = dict(
+            vocab_size=target.vocab_size,
+            **layer_sizes_from_hf(fields),
+            num_layers=num_layers,
+            rms_norm_eps=fields.positive("rms_norm_eps", 1e-6),
+            **rope_from_hf(fields),
+            attention_bias=fields.flag("attention_bias", False),
+            qk_norm=True,
+        )
+        block_size = dflash("block_size").integer("block_size")
+        mask_token_id = dflash("mask_token_id").integer("mask_token_id", low=0)
         try:
-            heads = int(hf["num_attention_heads"])
-            num_layers = int(hf["num_hidden_layers"])
-            num_target = int(key("num_target_layers", target.num_layers))
-            ids = key("target_layer_ids")
-            layers = ModelConfig(
-                "qwen3",
-                vocab_size=target.vocab_size,
-                hidden_size=int(hf["hidden_size"]),
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=num_layers,
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(hf.get("rope_theta", 10000.0)),
-                rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling")),
-                attention_bias=bool(hf.get("attention_bias", False)),
-                qk_norm=True,
-            )
             return cls(
-                layers=layers,
-                block_size=int(key("block_size")),
-                mask_token_id=int(key("mask_token_id")),
-                target_layer_ids=tuple(int(i) for i in ids or default_target_layer_ids(num_target, num_layers)),
+                layers=ModelConfig("qwen3", **layers),
+                block_size=block_size,
+                mask_token_id=mask_token_id,
+                target_layer_ids=ids or default_target_layer_ids(num_target, num_layers),
                 num_target_layers=num_target,
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"DFlash config.json is missing or has a malformed key ({e!r})") from None
+        except CheckpointError as e:
+            raise fields.error(f"{e}; {fields.remedy}") from None
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json of the published layout (docs/dflash.md, section 7.1)."""

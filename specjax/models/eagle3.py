@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.config import ModelConfig, RopeScaling, rope_scaling_from_hf
+from specjax.config import MetadataFields, ModelConfig, RopeScaling, layer_sizes_from_hf, rope_from_hf
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import ArraySpec, apply_rope, attend, rms_norm, rope_inv_freq
@@ -86,8 +86,8 @@ class Eagle3Config:
         object.__setattr__(self, "tap_layers", tuple(int(t) for t in taps))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         if self.num_heads % self.num_kv_heads:
-            raise UnsupportedModelError(
-                f"EAGLE-3 head: num_attention_heads={self.num_heads} is not a multiple of "
+            raise CheckpointError(
+                f"EAGLE-3 head: num_attention_heads={self.num_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
         if not 0 < self.draft_vocab_size <= self.vocab_size:
@@ -139,8 +139,11 @@ class Eagle3Config:
         )
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any], target_cfg: ModelConfig) -> Eagle3Config:
-        """Reads a `LlamaForCausalLMEagle3` config.json dict and checks it against the target.
+    def from_hf(
+        cls, hf: Mapping[str, Any], target_cfg: ModelConfig, source: str = "EAGLE-3 head config.json"
+    ) -> Eagle3Config:
+        """Reads a `LlamaForCausalLMEagle3` config.json dict, every field through `MetadataFields`, and checks it
+        against the target.
 
         Aux layer ids are read from top-level `eagle_aux_hidden_state_layer_ids` (vLLM: inputs of layers, used as
         they are) or `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang: outputs of layers, so +1). When both
@@ -149,75 +152,60 @@ class Eagle3Config:
         Args:
           hf: the parsed config.json of the head.
           target_cfg: the config of the target model the head will draft for.
+          source: the file it came from, named in errors.
         Returns:
-          The config. Raises UnsupportedModelError for a head specjax cannot run and CheckpointError for a head made
-          for another target or a malformed config.
+          The config. Raises UnsupportedModelError for a head specjax cannot run and CheckpointError (naming the file
+          and key) for a malformed config or a head made for another target.
         """
-        arch = hf.get("architectures") or []
-        if arch and not any("eagle3" in str(a).lower() for a in arch):
+        fields = MetadataFields(hf, source)
+        arch = fields.strings("architectures", default=[])
+        if arch and not any("eagle3" in a.lower() for a in arch):
             raise UnsupportedModelError(
                 f"config.json describes {arch}, not an EAGLE-3 head ({ARCHITECTURE}); point at an EAGLE-3 draft head"
             )
-        hf = _flatten_speculators(hf)
+        fields = _flatten_speculators(fields)
         for flag in ("fc_norm", "norm_before_fc", "attention_bias", "mlp_bias"):
-            if hf.get(flag):
+            if fields.flag(flag, False):
                 raise UnsupportedModelError(f"EAGLE-3 head option {flag}=true is not supported; use a standard head")
-        if hf.get("tie_word_embeddings"):
+        if fields.flag("tie_word_embeddings", False):
             raise UnsupportedModelError(
                 "EAGLE-3 head config sets tie_word_embeddings=true (lm_head tied to the embedding); specjax runs heads "
                 "with their own lm_head only: set it to false if the checkpoint stores lm_head.weight"
             )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"EAGLE-3 head hidden_act={hf['hidden_act']!r} is not supported; need silu")
-        variants = {flag: hf.get(flag, False) for flag in ("norm_output", "norm_before_residual")}
-        for flag, value in variants.items():
-            if not isinstance(value, bool):
-                raise CheckpointError(f"EAGLE-3 head config.json has {flag}={value!r}; it must be true or false")
-        n_target = target_cfg.num_layers
-        try:
-            layers = int(hf.get("num_hidden_layers", 1))
-            if layers != 1:
-                raise UnsupportedModelError(
-                    f"EAGLE-3 head config has num_hidden_layers={layers}; specjax runs single-layer heads only"
-                )
-            hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-            vocab = int(hf["vocab_size"])
-            taps = _read_tap_layers(hf)
-            eos = hf.get("eos_token_id")
-            rope_params = hf.get("rope_parameters") or {}
-            cfg = cls(
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                vocab_size=vocab,
-                draft_vocab_size=int(hf.get("draft_vocab_size") or vocab),
-                target_num_layers=n_target,
-                target_hidden_size=int(hf.get("target_hidden_size") or hidden),
-                tap_layers=taps,
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
-                rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling") or rope_params),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
-                **variants,
+        if (act := fields.text("hidden_act", "silu")) != "silu":
+            raise UnsupportedModelError(f"EAGLE-3 head hidden_act={act!r} is not supported; need silu")
+        if (layers := fields.integer("num_hidden_layers", default=1)) != 1:
+            raise UnsupportedModelError(
+                f"EAGLE-3 head config has num_hidden_layers={layers}; specjax runs single-layer heads only"
             )
-        except KeyError as e:
-            raise CheckpointError(f"EAGLE-3 head config.json lacks the required field {e.args[0]!r}") from None
-        except InputError as e:
-            raise CheckpointError(str(e)) from None
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"EAGLE-3 head config.json has a malformed field ({e}); fix it") from None
+        vocab, sizes = fields.integer("vocab_size"), layer_sizes_from_hf(fields)
+        values = dict(
+            **sizes,
+            vocab_size=vocab,
+            draft_vocab_size=fields.integer("draft_vocab_size", default=vocab),
+            target_num_layers=target_cfg.num_layers,
+            target_hidden_size=fields.integer("target_hidden_size", default=sizes["hidden_size"]),
+            tap_layers=_read_tap_layers(fields),
+            rms_norm_eps=fields.positive("rms_norm_eps", 1e-5),
+            **rope_from_hf(fields),
+            max_position_embeddings=fields.integer("max_position_embeddings", default=2048),
+            bos_token_id=fields.integer("bos_token_id", 0, vocab, default=None),
+            eos_token_ids=fields.token_ids("eos_token_id", vocab),
+            norm_output=fields.flag("norm_output", False),
+            norm_before_residual=fields.flag("norm_before_residual", False),
+        )
+        try:
+            cfg = cls(**values)
+        except (CheckpointError, InputError) as e:
+            raise fields.error(f"{e}; {fields.remedy}") from None
         if cfg.target_hidden_size != target_cfg.hidden_size:
-            raise CheckpointError(
-                f"EAGLE-3 head reads target features of width {cfg.target_hidden_size} but the target's hidden size "
-                f"is {target_cfg.hidden_size}; use the head trained for this target model"
+            raise fields.error(
+                f"the head reads target features of width target_hidden_size={cfg.target_hidden_size} but the "
+                f"target's hidden size is {target_cfg.hidden_size}; use the head trained for this target model"
             )
         if cfg.vocab_size != target_cfg.vocab_size:
-            raise CheckpointError(
-                f"EAGLE-3 head has vocab_size {cfg.vocab_size} but the target's vocabulary has "
+            raise fields.error(
+                f"the head has vocab_size {cfg.vocab_size} but the target's vocabulary has "
                 f"{target_cfg.vocab_size} tokens; use the head trained for this target model"
             )
         return cfg
@@ -262,33 +250,32 @@ class Eagle3Config:
         return hf
 
 
-def _flatten_speculators(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+def _flatten_speculators(fields: MetadataFields) -> MetadataFields:
     """A config in the speculators format (vLLM's `Eagle3Speculator`) nests the layer's fields in
     `transformer_layer_config` and keeps the EAGLE-3 fields at the top; other configs are returned as they are."""
-    layer = hf.get("transformer_layer_config")
+    layer = fields.mapping("transformer_layer_config")
     if layer is None:
-        return hf
-    if not isinstance(layer, Mapping):
-        raise CheckpointError("EAGLE-3 head config.json has a transformer_layer_config that is not an object; fix it")
-    return {**layer, **{k: v for k, v in hf.items() if k != "transformer_layer_config"}}
+        return fields
+    top = {k: v for k, v in fields.data.items() if k != "transformer_layer_config"}
+    return MetadataFields({**layer.data, **top}, fields.source)
 
 
-def _read_tap_layers(hf: Mapping[str, Any]) -> tuple[int, ...] | None:
+def _read_tap_layers(fields: MetadataFields) -> tuple[int, ...] | None:
     """Tap ids in the specjax convention (inputs of layers) from either engine's field, or None for the default."""
-    top = hf.get("eagle_aux_hidden_state_layer_ids")
-    nested = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    from_top = None if top is None else tuple(int(t) for t in top)
-    from_nested = None if nested is None else tuple(int(t) + 1 for t in nested)
-    if from_nested is not None:
-        if from_top is not None and from_top != from_nested:
-            warnings.warn(
-                f"EAGLE-3 head config: eagle_config aux layer ids {list(nested)} (outputs of layers) disagree with "
-                f"top-level eagle_aux_hidden_state_layer_ids {list(top)} (inputs of layers); tapping the inputs of "
-                f"layers {list(from_nested)}",
-                stacklevel=3,
-            )
-        return from_nested
-    return from_top
+    from_top = fields.integers("eagle_aux_hidden_state_layer_ids", default=None)
+    eagle = fields.mapping("eagle_config")
+    nested = eagle and eagle.integers("eagle_aux_hidden_state_layer_ids", low=-1, default=None)
+    if nested is None:
+        return from_top
+    from_nested = tuple(t + 1 for t in nested)
+    if from_top is not None and from_top != from_nested:
+        warnings.warn(
+            f"EAGLE-3 head config: eagle_config aux layer ids {list(nested)} (outputs of layers) disagree with "
+            f"top-level eagle_aux_hidden_state_layer_ids {list(from_top)} (inputs of layers); tapping the inputs of "
+            f"layers {list(from_nested)}",
+            stacklevel=3,
+        )
+    return from_nested
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -119,16 +119,22 @@ def init_weights(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: flo
 # Conversion from the HF naming and [out, in] layout. Every loader (safetensors, GGUF, converted cache) lands here.
 
 
-def hf_fetcher(get: Callable[[str], np.ndarray]) -> Callable[[str, tuple[int, ...]], np.ndarray]:
-    """fetch(name, shape): the named tensor as float32 numpy, or CheckpointError when absent or mis-shaped."""
+def hf_fetcher(
+    get: Callable[[str], np.ndarray], source: str = "checkpoint"
+) -> Callable[[str, tuple[int, ...]], np.ndarray]:
+    """fetch(name, shape): the named tensor as float32 numpy, or CheckpointError naming `source` when it is absent or
+    its shape is not the one its config gives: the one check that the weights and the config agree."""
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
         try:
             t = get(name)
         except KeyError:
-            raise CheckpointError(f"checkpoint lacks tensor {name!r} (expected shape {list(shape)})") from None
+            raise CheckpointError(f"{source} lacks tensor {name!r} (expected shape {list(shape)})") from None
         if tuple(t.shape) != shape:
-            raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {list(t.shape)}, but its config gives {list(shape)}; "
+                "the weights do not match their config, re-download the checkpoint"
+            )
         return np.asarray(t, np.float32)
 
     return fetch
@@ -166,7 +172,11 @@ def layers_from_hf(
 
 
 def weights_from_hf(
-    cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype=jnp.float32, shardings: Weights | None = None
+    cfg: ModelConfig,
+    get: Callable[[str], np.ndarray],
+    dtype=jnp.float32,
+    shardings: Weights | None = None,
+    source: str = "checkpoint",
 ) -> Weights:
     """Builds Weights from tensors in HF naming and PyTorch [out, in] layout.
 
@@ -175,11 +185,12 @@ def weights_from_hf(
       get: returns the named tensor as a numpy array; raises KeyError when absent.
       dtype: the dtype of the returned weights.
       shardings: optional Weights pytree of shardings to place each weight with.
+      source: the checkpoint's folder or file, named in errors.
     Returns:
       The Weights. Raises CheckpointError naming any missing or mis-shaped tensor.
     """
     D = cfg.hidden_size
-    fetch = hf_fetcher(get)
+    fetch = hf_fetcher(get, source)
     specs = weight_specs(cfg)
     host = Weights(
         embed=fetch("model.embed_tokens.weight", (cfg.vocab_size, D)),

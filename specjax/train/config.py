@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from specjax.config import INT32_END
 from specjax.errors import InputError
 
 # model.drafter's values (the kinds of specjax/train/kinds.py), each with the keys a run of that kind must set.
@@ -297,6 +298,8 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
             return number
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise InputError(f"{where} must be {hint.__name__}, got {value!r}")
+    if hint is int and not -INT32_END <= value < INT32_END:  # counts and seeds land in 32-bit arrays
+        raise InputError(f"{where} must be an integer below 2**31 in size, got {value}")
     return value
 
 

@@ -1,7 +1,7 @@
 """Stage `regenerate`: the target writes the assistant turns itself; and the dataset those turns form.
 
-The training conversations (specjax/train/conversations.py) are taken from the sources in turn and each source's are cut,
-in order, into units of `UNIT` conversations. Each unit yields one shard per response: the greedy one, then
+The training conversations (specjax/train/conversations.py) are taken from the sources in turn and each source's
+are cut, in order, into units of `UNIT` conversations. Each unit yields one shard per response: the greedy one, then
 `data.samples_per_prompt` sampled ones. A shard holds token arrays with assistant-only loss masks (compressed
 `.npz`, no pickle) and lives in the content-addressed store (specjax/train/store.py) under the hash of the target, the
 unit's conversations and the generation settings: a run resumes at the first missing shard, a run with more prompts
@@ -30,6 +30,7 @@ from tqdm import tqdm
 from specjax.config import SamplingConfig
 from specjax.decoding.autoregressive import generate
 from specjax.errors import InputError
+from specjax.host import write_file
 from specjax.io.loading import LoadedModel
 from specjax.train.config import DataSection
 from specjax.train.conversations import Conversation, first_user_text, source_conversations
@@ -223,9 +224,8 @@ def reference_responses(model: LoadedModel, prompts: list[str], data: DataSectio
     store, sampling = Store(store_root, "responses", ".npz"), SamplingConfig()
     key = _unit_key(target_fingerprint(model), unit, data, sampling, 0)
     if not store.has(key):
-        bar = tqdm(total=len(unit), desc="reference responses", unit="prompt", file=sys.stderr)
-        _write_shard(model, unit, data, sampling, 0, store, key, bar.update)
-        bar.close()
+        with tqdm(total=len(unit), desc="reference responses", unit="prompt", file=sys.stderr) as bar:
+            _write_shard(model, unit, data, sampling, 0, store, key, bar.update)
     return read_shard(store.path(key))
 
 
@@ -241,9 +241,7 @@ def regenerate(model: LoadedModel, data: DataSection, folder: Path, store_root: 
       evaluation: prompts training must not resemble; conversations whose first user turn does are dropped.
     """
     per_source, held_out, dropped = load_prompts(data, folder.parent / "prompts" / "synthetic.jsonl", evaluation)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "eval_prompts.jsonl", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"prompt": p}) + "\n" for p in held_out)
+    write_file(folder / "eval_prompts.jsonl", "".join(json.dumps({"prompt": p}) + "\n" for p in held_out))
     # A unit never spans two sources: growing one leaves the others' units alone.
     units = [kept[i : i + UNIT] for kept in per_source for i in range(0, len(kept), UNIT)]
     store, target = Store(store_root, "responses", ".npz"), target_fingerprint(model)
@@ -257,10 +255,11 @@ def regenerate(model: LoadedModel, data: DataSection, folder: Path, store_root: 
             seed = int(content_key({"unit": unit, "response": r, "seed": data.seed})[:7], 16)
             work.append((u, r, seed, _unit_key(target, unit, data, sampling, seed)))
     todo = [w for w in work if not store.has(w[3])]
-    bar = tqdm(total=sum(len(units[w[0]]) for w in todo), desc="regenerate", unit="conversation", file=sys.stderr)
-    for u, r, seed, key in todo:
-        _write_shard(model, units[u], data, settings[r], seed, store, key, bar.update)
-    bar.close()
+    with tqdm(
+        total=sum(len(units[w[0]]) for w in todo), desc="regenerate", unit="conversation", file=sys.stderr
+    ) as bar:
+        for u, r, seed, key in todo:
+            _write_shard(model, units[u], data, settings[r], seed, store, key, bar.update)
     shards = [w[3] for w in work]
     source = _source_shards(model, data, stub_names(held_out), store, target) if data.source_tokens else []
     totals, sizes = collections.Counter(), {}
@@ -284,7 +283,7 @@ def regenerate(model: LoadedModel, data: DataSection, folder: Path, store_root: 
         "cut_or_dropped": dict(totals),
         "python": sys.version.split()[0],
     }
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    write_file(folder / "manifest.json", json.dumps(manifest, indent=1))
     print(f"regenerate: {sizes['samples']} samples, {sizes['tokens']} assistant tokens in {len(shards)} shards",
           file=sys.stderr)  # fmt: skip
 

@@ -1,7 +1,7 @@
 """What the trainer trains: a draft's trainable weights, their logical axes, its loss, and the draft they export to.
 
-The trainer (specjax/train/trainer.py) owns the mesh, the optimizer, the step and the checkpoints; a draft here only says
-what its weights are and how a batch scores them. Both losses read the target's features at the draft's taps
+The trainer (specjax/train/trainer.py) owns the mesh, the optimizer, the step and the checkpoints; a draft here only
+says what its weights are and how a batch scores them. Both losses read the target's features at the draft's taps
 followed by the target's final residual stream (specjax/train/features.py), stored or computed in the step.
 """
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -23,10 +22,11 @@ from tqdm import tqdm
 
 from specjax.config import ModelConfig
 from specjax.errors import InputError
+from specjax.host import write_file
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.train.batches import ROW_KEYS, sample_causal_mask
-from specjax.train.store import read_manifest
+from specjax.train.store import read_manifest, write_npz
 
 CHUNK_ROWS = 64
 FORWARD_ROWS = 8  # rows per target forward
@@ -79,24 +79,21 @@ def compute_features(
     manifest = folder / "manifest.json"
     if manifest.exists() and json.loads(manifest.read_text()) != settings:
         raise InputError(f"{folder} holds features of other rows or layers; delete it to recompute them")
-    folder.mkdir(parents=True, exist_ok=True)
-    manifest.write_text(json.dumps(settings))
+    write_file(manifest, json.dumps(settings))
     run = jax.jit(lambda w, r: target_features(w, cfg, layers, r))
     chunks = -(-settings["rows"] // CHUNK_ROWS)
     todo = [i for i in range(chunks) if not _chunk_path(folder, i).exists()]
-    for i in tqdm(todo, desc="features", unit="chunk", file=sys.stderr, disable=not todo):
-        chunk = {k: v[i * CHUNK_ROWS : (i + 1) * CHUNK_ROWS] for k, v in rows.items()}
-        n = len(chunk["tokens"])
-        padded = {k: np.pad(v, [(0, -n % FORWARD_ROWS), (0, 0)]) for k, v in chunk.items()}
-        parts = [
-            np.asarray(run(weights, {k: v[j : j + FORWARD_ROWS] for k, v in padded.items()}).astype(jnp.bfloat16))
-            for j in range(0, n, FORWARD_ROWS)
-        ]
-        if jax.process_index() == 0:  # one writer
-            path = _chunk_path(folder, i)
-            tmp = path.with_suffix(".tmp.npz")
-            np.savez(tmp, **chunk, features=np.concatenate(parts)[:n].view(np.uint16))
-            os.replace(tmp, path)
+    with tqdm(todo, desc="features", unit="chunk", file=sys.stderr, disable=not todo) as bar:
+        for i in bar:
+            chunk = {k: v[i * CHUNK_ROWS : (i + 1) * CHUNK_ROWS] for k, v in rows.items()}
+            n = len(chunk["tokens"])
+            padded = {k: np.pad(v, [(0, -n % FORWARD_ROWS), (0, 0)]) for k, v in chunk.items()}
+            parts = [
+                np.asarray(run(weights, {k: v[j : j + FORWARD_ROWS] for k, v in padded.items()}).astype(jnp.bfloat16))
+                for j in range(0, n, FORWARD_ROWS)
+            ]
+            if jax.process_index() == 0:  # one writer
+                write_npz(_chunk_path(folder, i), **chunk, features=np.concatenate(parts)[:n].view(np.uint16))
 
 
 def load_features(folder: Path, layers: tuple[int, ...], seq_len: int) -> dict[str, np.ndarray]:

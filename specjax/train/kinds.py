@@ -2,8 +2,8 @@
 between them, from the draft's shape to the lines of its model card.
 
 `draft_kind` is the one place a kind is looked up by name; the pipeline (specjax/train/run.py) and the model card
-(specjax/train/model_card.py) call the record's pieces and never compare names. Between the stages a draft travels in its
-exported form: an Eagle3Head, or a DFlash (config, weights) pair with the draft vocabulary in `weights.vocab_ids`.
+(specjax/train/model_card.py) call the record's pieces and never compare names. Between the stages a draft travels in
+its exported form: an Eagle3Head, or a DFlash (config, weights) pair with the draft vocabulary in `weights.vocab_ids`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The README.md written next to an exported draft: what it is, how it was trained and how well it drafts.
 
-The lines that differ between kinds of draft come from the run's `DraftKind` (specjax/train/kinds.py); the rest is shared.
+The lines that differ between kinds of draft come from the run's `DraftKind` (specjax/train/kinds.py); the rest is
+shared.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import math
@@ -34,8 +35,9 @@ from tqdm import tqdm
 from specjax.decoding import speculative
 from specjax.decoding.stats import acceptance
 from specjax.drafters.registry import draft_folder
-from specjax.errors import InputError, SpecjaxError
+from specjax.errors import InputError, OutputError, SpecjaxError
 from specjax.evalsets import chat_prompts, humaneval_prompts
+from specjax.host import write_file
 from specjax.io.jsonl import read_prompts_file
 from specjax.io.loading import LoadedModel, load_model
 from specjax.sharding import make_mesh
@@ -106,8 +108,7 @@ def record_config(cfg: TrainConfig) -> None:
     text = json.dumps(config_to_dict(cfg), indent=1)
     if path.exists() and path.read_text() == text:
         return  # the same run: leave the record (and its mtime) alone
-    cfg.output_path.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_file(path, text)
 
 
 def init_from_folder(cfg: TrainConfig) -> Path:
@@ -210,7 +211,7 @@ def stage_vocab(cfg: TrainConfig, model: LoadedModel) -> None:
         by_size[size] = {"training": training_coverage}
         by_size[size].update({name: coverage(s, size_t2d) for name, s in held_out.items()})
     report = {"draft_vocab_size": len(d2t), "coverage": covered, "coverage_by_size": by_size}
-    (cfg.output_path / "vocab.json").write_text(json.dumps(report, indent=1))
+    write_file(cfg.output_path / "vocab.json", json.dumps(report, indent=1))
     print(f"draft vocabulary: {len(d2t)} tokens cover {covered:.2%} of the tokens the target wrote", file=sys.stderr)
     for size, row in by_size.items():
         print(f"  {size:>6}: " + ", ".join(f"{k} {v:.2%}" for k, v in row.items()), file=sys.stderr)
@@ -261,7 +262,7 @@ def stage_train(cfg: TrainConfig, model: LoadedModel) -> None:
         keep = nested_subset(len(rows["tokens"]), t.data_fraction, t.seed)
         rows = {key: value[keep] for key, value in rows.items()}
     if jax.process_index() == 0:  # what the draft is trained on, for the scaling curve
-        (cfg.output_path / "training_rows.json").write_text(json.dumps({
+        write_file(cfg.output_path / "training_rows.json", json.dumps({
             "data_fraction": t.data_fraction, "rows": len(rows["tokens"]),
             "samples": int(rows["segments"].max(1).sum()), "assistant_tokens": int(rows["loss_mask"].sum()),
         }))  # fmt: skip
@@ -280,8 +281,8 @@ def evaluation_set(cfg: TrainConfig, name: str) -> list[str]:
 
 
 def trained_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[int, Any]:
-    """(step, draft) of the latest intact checkpoint, the draft in its exported form (specjax/train/kinds.py) gathered to
-    host memory. Before any checkpoint, a run with `training.init_from` gives its starting draft (step 0), so the
+    """(step, draft) of the latest intact checkpoint, the draft in its exported form (specjax/train/kinds.py) gathered
+    to host memory. Before any checkpoint, a run with `training.init_from` gives its starting draft (step 0), so the
     evaluate stage measures the draft it continues with the run's own settings."""
     trainer = build_trainer(cfg, model)
     manager = checkpoint_manager(trainer, cfg.output_path / "train")
@@ -331,7 +332,7 @@ def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
             print(f"{set_name} {name}: mean accepted length {mean_accepted:.2f}", file=sys.stderr)
         report["sets"][set_name] = result
     if jax.process_index() == 0:
-        (cfg.output_path / "eval.json").write_text(json.dumps(report, indent=1))
+        write_file(cfg.output_path / "eval.json", json.dumps(report, indent=1))
     return report
 
 
@@ -351,7 +352,7 @@ def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
         start = init_from_folder(cfg) / "README.md" if cfg.training.init_from else None
         start_card = start.read_text() if start and start.is_file() else None
         card = model_card(cfg, kind.config(draft), manifest, synthetic, coverage, evaluation, start_card)
-        (folder / "README.md").write_text(card)
+        write_file(folder / "README.md", card)
     return folder
 
 
@@ -367,6 +368,7 @@ def run(cfg: TrainConfig, stages: list[str]) -> None:
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise InputError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)} or all")
+    refuse_links_inside(cfg.output_path)
     maybe_initialize_distributed(cfg)
     model = load_model(cfg.model.target)
     validate(cfg, model, stages)
@@ -377,6 +379,20 @@ def run(cfg: TrainConfig, stages: list[str]) -> None:
             STAGE_FUNCTIONS[stage](cfg, model)
 
 
+def refuse_links_inside(output_dir: Path) -> None:
+    """Refuses, in one OutputError line, a symbolic link anywhere inside output_dir, so that a run writes nothing
+    outside it (output_dir itself may be a link: the user's choice, followed once). Checked before anything is
+    written; an outside data.store or training.features_dir is named in the config instead."""
+    for folder, subfolders, files in os.walk(output_dir):
+        for name in (*subfolders, *files):
+            path = Path(folder, name)
+            if path.is_symlink():
+                raise OutputError(
+                    f"{path} is a symbolic link to {os.readlink(path)}; specjax-train writes only inside output_dir, "
+                    "never through links: remove the link"
+                )
+
+
 @contextlib.contextmanager
 def exclusive_output_dir(path: Path):
     """Holds an OS lock (flock on output_dir/.lock) for the whole run: a second run on the same output_dir is
@@ -385,10 +401,11 @@ def exclusive_output_dir(path: Path):
         raise InputError(f"output_dir {str(path)!r} is a file; choose a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        lock = open(path / ".lock", "a+", encoding="utf-8")
+        fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     except OSError as e:
-        raise InputError(f"cannot use output_dir {str(path)!r}: {e.strerror}") from None
-    with lock:
+        reason = ".lock in it is a symbolic link; remove the link" if e.errno == errno.ELOOP else e.strerror
+        raise InputError(f"cannot use output_dir {str(path)!r}: {reason}") from None
+    with os.fdopen(fd, "r+", encoding="utf-8") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -397,10 +414,13 @@ def exclusive_output_dir(path: Path):
                 f"{path} is in use by another specjax-train run ({lock.read().strip() or 'holder unknown'}); "
                 "wait for it to end or choose another output_dir"
             ) from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-        lock.flush()
+        try:
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+            lock.flush()
+        except OSError as e:
+            raise OutputError(f"cannot write {path / '.lock'}: {e.strerror}") from None
         yield
 
 

@@ -3,21 +3,21 @@ determines its content (the target, the inputs, the generation settings).
 
 A run skips every unit whose file exists, so an interrupted run resumes where it stopped, a larger run reuses the
 units of a smaller one, and a store committed beside a config lets a later run retrain without generating again.
-Files are written atomically (temporary file, then rename): a killed run never leaves a partial unit. A stage's
-output folder is finished when it holds its manifest.json (`read_manifest`).
+Files are written atomically (`host.write_file`: temporary file, then rename): a killed run or a full disk never
+leaves a partial unit. A stage's output folder is finished when it holds its manifest.json (`read_manifest`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from specjax.errors import InputError
+from specjax.host import write_file
 from specjax.io.loading import LoadedModel
 
 
@@ -46,20 +46,20 @@ class Store:
         return self.path(key).exists()
 
     def write_text(self, key: str, text: str) -> None:
-        self._atomic(key, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        write_file(self.path(key), text)
 
     def write_arrays(self, key: str, **arrays: np.ndarray) -> None:
-        def save(tmp: Path) -> None:
-            with open(tmp, "wb") as f:
-                np.savez_compressed(f, **arrays)
+        write_npz(self.path(key), compressed=True, **arrays)
 
-        self._atomic(key, save)
 
-    def _atomic(self, key: str, write) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / f".{key}.{os.getpid()}.tmp"
-        write(tmp)
-        os.replace(tmp, self.path(key))
+def write_npz(path: Path, compressed: bool = False, **arrays: np.ndarray) -> None:
+    """Writes arrays to an `.npz` file atomically (`host.write_file`)."""
+
+    def save(tmp: str) -> None:
+        with open(tmp, "wb") as f:  # a file, not a name: np.savez would add ".npz" to the temporary name
+            (np.savez_compressed if compressed else np.savez)(f, **arrays)
+
+    write_file(path, save)
 
 
 def read_manifest(folder: Path, missing: str) -> dict:

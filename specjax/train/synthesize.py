@@ -2,10 +2,10 @@
 
 The chat template is rendered up to the start of a user turn, and the target samples the user's message until the
 end of the turn. A short system hint (a domain and a topic, from the table below) steers each row, so the prompts
-cover every domain in turn. The raw generations are stored per batch in the content-addressed store (specjax/train/store.py);
-the filters (specjax/train/filters.py) then keep prompts in batch order until `synthesize.num_prompts` are kept, generating
-further batches only when the stored ones do not suffice. Output: `prompts/synthetic.jsonl` and
-`prompts/manifest.json` (what was generated, kept, and why the rest was dropped).
+cover every domain in turn. The raw generations are stored per batch in the content-addressed store
+(specjax/train/store.py); the filters (specjax/train/filters.py) then keep prompts in batch order until
+`synthesize.num_prompts` are kept, generating further batches only when the stored ones do not suffice. Output:
+`prompts/synthetic.jsonl` and `prompts/manifest.json` (what was generated, kept, and why the rest was dropped).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tqdm import tqdm
 from specjax.config import SamplingConfig
 from specjax.decoding.autoregressive import generate
 from specjax.errors import InputError
+from specjax.host import write_file
 from specjax.io.loading import LoadedModel
 from specjax.train.config import SynthesizeSection
 from specjax.train.filters import NearDuplicates, degeneracy_issue, language_issue
@@ -229,33 +230,31 @@ def synthesize(model: LoadedModel, cfg: SynthesizeSection, store_root: Path, fol
     store = Store(store_root, "synth", ".jsonl")
     dedup = NearDuplicates(cfg.dedup_threshold, evaluation)
     kept, dropped, generated = [], collections.Counter(), 0
-    bar = tqdm(total=cfg.num_prompts, desc="synthesize", unit="prompt", file=sys.stderr)
-    for records in _raw_batches(model, cfg, store):
-        for record in records:
+    with tqdm(total=cfg.num_prompts, desc="synthesize", unit="prompt", file=sys.stderr) as bar:
+        for records in _raw_batches(model, cfg, store):
+            for record in records:
+                if len(kept) == cfg.num_prompts:
+                    break
+                generated += 1
+                reason = drop_reason(record, cfg, dedup)
+                if reason:
+                    dropped[reason] += 1
+                else:
+                    kept.append({"prompt": record["text"].strip(), "domain": record["domain"]})
+                    bar.update()
             if len(kept) == cfg.num_prompts:
                 break
-            generated += 1
-            reason = drop_reason(record, cfg, dedup)
-            if reason:
-                dropped[reason] += 1
-            else:
-                kept.append({"prompt": record["text"].strip(), "domain": record["domain"]})
-                bar.update()
-        if len(kept) == cfg.num_prompts:
-            break
-        if generated >= cfg.max_generations:
-            raise InputError(
-                f"synthesize: {len(kept)} prompts kept of {generated} generated ({dict(dropped)}); "
-                f"raise synthesize.max_generations or lower synthesize.num_prompts"
-            )
-    bar.close()
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "synthetic.jsonl").write_text("".join(json.dumps(k) + "\n" for k in kept), encoding="utf-8")
+            if generated >= cfg.max_generations:
+                raise InputError(
+                    f"synthesize: {len(kept)} prompts kept of {generated} generated ({dict(dropped)}); "
+                    f"raise synthesize.max_generations or lower synthesize.num_prompts"
+                )
+    write_file(folder / "synthetic.jsonl", "".join(json.dumps(k) + "\n" for k in kept))
     manifest = {
         "generated": generated,
         "kept": len(kept),
         "dropped": dict(dropped.most_common()),
         "kept_by_domain": dict(collections.Counter(k["domain"] for k in kept)),
     }
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    write_file(folder / "manifest.json", json.dumps(manifest, indent=1))
     print(f"synthesize: kept {len(kept)} of {generated} generations; dropped {dict(dropped)}", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""Stage 4 (train): the sharded, jitted step of a draft's loss (specjax/train/drafts.py), orbax checkpoints, exact resume,
-metrics.
+"""Stage 4 (train): the sharded, jitted step of a draft's loss (specjax/train/drafts.py), orbax checkpoints, exact
+resume, metrics.
 
 The step reads the target's features from the batch (stored by the features stage), or with `training.features:
 online` runs the frozen target itself. Target weights, draft weights, optimizer state and batches all carry
@@ -10,9 +10,12 @@ continues bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +30,8 @@ from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from specjax.errors import CheckpointError, SpecjaxError
+from specjax.errors import CheckpointError, OutputError, SpecjaxError
+from specjax.host import append_text, write_file
 from specjax.models.llama import ArraySpec, Weights, weight_specs
 from specjax.sharding import DEFAULT_RULES, partition_spec
 from specjax.train.batches import ROW_KEYS, BatchSource
@@ -146,11 +150,11 @@ class Trainer:
         return self.draft.export(jax.tree.map(lambda x: jnp.asarray(process_allgather(x, tiled=True)), state["params"]))
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drops metric lines past `last_step` (written after the checkpoint a resumed run restarts from)."""
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-        path.write_text("".join(line + "\n" for line in lines))
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drops metric lines past `last_step` (written after the checkpoint a resumed run restarts from), and a last
+    line that a full disk cut short (it has no newline); creates the file empty when there is none."""
+    complete = path.read_text().split("\n")[:-1] if path.exists() else []
+    write_file(path, "".join(line + "\n" for line in complete if json.loads(line)["step"] <= last_step))
 
 
 def _divergence_message(host: dict, step: int, last_good: int | None) -> str:
@@ -167,9 +171,61 @@ def _divergence_message(host: dict, step: int, last_good: int | None) -> str:
 
 
 def checkpoint_manager(trainer: Trainer, run_dir: Path) -> ocp.CheckpointManager:
-    """Orbax checkpoints under run_dir/checkpoints: atomic (written aside, then renamed), the last k kept."""
-    options = ocp.CheckpointManagerOptions(max_to_keep=trainer.cfg.checkpoint.keep, create=True)
+    """Orbax checkpoints under run_dir/checkpoints: atomic (written aside, then renamed), the last k kept; what an
+    interrupted save left aside is removed when the next run starts."""
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=trainer.cfg.checkpoint.keep, create=True, cleanup_tmp_directories=True
+    )
     return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
+
+
+def refused_write(error: BaseException) -> str | None:
+    """Why the disk refused a checkpoint write ("No space left on device"), from orbax's OSError or tensorstore's
+    ValueError("... [os_error_code='28']"); None for any other error."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    code = re.search(r"os_error_code='(\d+)'", str(error)) if isinstance(error, ValueError) else None
+    return os.strerror(int(code[1])) if code else None
+
+
+class _RefusedWriteEchoes(logging.Filter):
+    """Drops the log records in which orbax's threads report a refused write themselves (absl's, and asyncio's
+    "exception was never retrieved")."""
+
+    loggers = ("absl", "asyncio")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and refused_write(record.exc_info[1]))
+
+
+@contextlib.contextmanager
+def refused_checkpoint_writes(folder: Path):
+    """Turns a checkpoint write the disk refuses (full, read-only) into one OutputError line naming `folder`.
+
+    Orbax saves in background threads: a refused write surfaces at the next save or at `wait_until_finished`, and
+    the threads report it in tracebacks of their own (logs, and tensorstore's callbacks into the event loop they
+    closed). Those are held back while the block runs, and for the rest of the process once a write was refused:
+    the failed save's threads go on reporting it as they wind down."""
+    echoes, unraisable = _RefusedWriteEchoes(), sys.unraisablehook
+    for name in echoes.loggers:
+        logging.getLogger(name).addFilter(echoes)
+    sys.unraisablehook = lambda u: None if "Event loop is closed" in str(u.exc_value) else unraisable(u)
+    refused = None
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        refused = refused_write(e)
+        if refused is None:
+            raise
+        raise OutputError(
+            f"cannot write a checkpoint in {folder}: {refused}; the checkpoints already written are intact: free "
+            "space (or make the disk writable) and run again to resume"
+        ) from None
+    finally:
+        if refused is None:
+            for name in echoes.loggers:
+                logging.getLogger(name).removeFilter(echoes)
+            sys.unraisablehook = unraisable
 
 
 def restore_latest(trainer: Trainer, manager: ocp.CheckpointManager) -> dict:
@@ -197,8 +253,11 @@ def restore_latest(trainer: Trainer, manager: ocp.CheckpointManager) -> dict:
         aside = Path(manager.directory).parent / "corrupt-checkpoints" / str(step)
         aside = next(p for n in range(1000) if not (p := aside.with_name(f"{step}.{n}" if n else str(step))).exists())
         if jax.process_index() == 0:
-            aside.parent.mkdir(exist_ok=True)
-            os.replace(Path(manager.directory) / str(step), aside)
+            try:
+                aside.parent.mkdir(exist_ok=True)
+                os.replace(Path(manager.directory) / str(step), aside)
+            except OSError as e:
+                raise OutputError(f"cannot move the damaged checkpoint of step {step} aside: {e.strerror}") from None
         print(f"the checkpoint of step {step} is damaged ({reason}); moved it to {aside}", file=sys.stderr)
         manager.reload()
     if steps:
@@ -226,20 +285,22 @@ def train(
       stop_after: stop after this step (checkpointing as usual), as if interrupted; for tests and partial runs.
     Returns:
       The final train state.
+    Raises:
+      OutputError when the disk refuses a metrics line or a checkpoint; the checkpoints before it are intact.
     """
     cfg = trainer.cfg
     manager = checkpoint_manager(trainer, run_dir)
     state = restore_latest(trainer, manager)
     metrics_path = run_dir / "metrics.jsonl"
     if jax.process_index() == 0:  # one writer: the other processes of a multi-host run share this folder
-        _truncate_metrics(metrics_path, int(state["step"]))
+        truncate_metrics(metrics_path, int(state["step"]))
     start = int(state["step"])
     end = cfg.training.steps if stop_after is None else min(cfg.training.steps, stop_after)
     tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
     bar = tqdm(range(start, end), initial=start, total=cfg.training.steps, desc="train", file=sys.stderr,
                disable=jax.process_index() != 0)  # fmt: skip
-    try:
-        with open(metrics_path, "a", encoding="utf-8") as log:
+    with bar, refused_checkpoint_writes(Path(manager.directory)):
+        try:
             t0 = time.perf_counter()
             for step in bar:
                 state, metrics = trainer.step(state, source.batch(step))
@@ -250,19 +311,19 @@ def train(
                 rate = tokens_per_step / (time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 bar.set_postfix(loss=f"{host['loss']:.3f}", acc0=f"{host['acc_k'][0]:.2f}", tok_s=f"{rate:.0f}")
-                if done % cfg.logging.every == 0 or done == end:
+                if (done % cfg.logging.every == 0 or done == end) and jax.process_index() == 0:
                     record = {"step": done, "loss": host["loss"], "loss_k": host["loss_k"], "acc_k": host["acc_k"],
                               "grad_norm": host["grad_norm"], "tokens_per_s": rate}  # fmt: skip
-                    if jax.process_index() == 0:
-                        log.write(json.dumps(record) + "\n")
-                        log.flush()
+                    append_text(metrics_path, json.dumps(record) + "\n")
                 if on_step is not None:
                     on_step(done, host)
                 if done % cfg.checkpoint.every == 0 or done == end:
                     manager.save(done, args=ocp.args.StandardSave(state))
-    finally:
-        # Also on an error (divergence, interrupt): a checkpoint being written in the background is completed, so
-        # the newest checkpoint on disk is whole and the next run resumes from it.
-        manager.wait_until_finished()
-        manager.close()
+        finally:
+            # Also on an error (divergence, interrupt): a checkpoint being written in the background is completed,
+            # so the newest checkpoint on disk is whole and the next run resumes from it.
+            try:
+                manager.wait_until_finished()
+            finally:
+                manager.close()
     return state

@@ -6,13 +6,13 @@ is in the draft vocabulary. This is the layout of published EAGLE-3 heads.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
 from specjax.errors import InputError
+from specjax.train.store import write_npz
 
 
 def draft_vocab(samples: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int, draft_vocab_size: int):
@@ -61,9 +61,7 @@ def coverage(samples: Iterable[tuple[np.ndarray, np.ndarray]], t2d: np.ndarray) 
 
 
 def save_vocab(path: Path, d2t: np.ndarray, t2d: np.ndarray) -> None:
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, d2t=d2t, t2d=t2d)
-    os.replace(tmp, path)
+    write_npz(path, d2t=d2t, t2d=t2d)
 
 
 def load_vocab(path: Path) -> tuple[np.ndarray, np.ndarray]:
