@@ -132,6 +132,11 @@ def http_error(cls: type[HfHubHTTPError], status: int) -> HfHubHTTPError:
         (http_error(DisabledRepoError, 403), "disabled on the Hugging Face Hub"),
         (http_error(HfHubHTTPError, 500), "failed to serve org/x@dev (500 Client Error)"),
         (HFValidationError("Repo id must be valid\nmore detail"), "not a valid Hugging Face Hub repo name"),
+        (
+            httpx2.RemoteProtocolError("peer closed connection\nmore detail"),
+            "failed (peer closed connection); run again",
+        ),
+        (OSError(28, "No space left on device"), "failed ([Errno 28] No space left on device); run again"),
     ],
 )
 def test_hub_failures_are_one_line(monkeypatch, error, message):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import httpx2  # huggingface_hub's HTTP client
 import huggingface_hub
 from huggingface_hub.errors import (
     DisabledRepoError,
@@ -89,7 +90,7 @@ def _download(repo: str, revision: str | None, kind: str) -> Path:
         ) from None
     except HfHubHTTPError as e:
         raise CheckpointError(f"the Hugging Face Hub failed to serve {name} ({_first_line(e)}); try again") from None
-    except OSError as e:  # a full disk, or a file cut short: what is complete stays cached
+    except (OSError, httpx2.TransportError) as e:  # a full disk, a connection dropped: what is complete stays cached
         raise CheckpointError(f"downloading {name} failed ({_first_line(e)}); run again to resume") from None
 
 
