@@ -18,9 +18,18 @@ from specjax.io.loading import LoadedModel, load_model
 from specjax.io.tokenizer import Tokenizer
 from specjax.measure.calibration import calibrated
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import LayerWeights, Weights, forward, init_weights, weight_specs, weights_from_hf
+from specjax.models.llama import (
+    LayerWeights,
+    Weights,
+    forward,
+    init_weights,
+    shard_weights,
+    weight_shardings,
+    weight_specs,
+    weights_from_hf,
+)
 from specjax.sampling import Sampling, probabilities, process_logits, sample
-from specjax.sharding import make_mesh, shard_weights, weight_shardings
+from specjax.sharding import make_mesh
 
 __all__ = [
     "Adaptive",

@@ -1,8 +1,12 @@
-"""Device meshes and the logical-axis rules that map weights, caches and batches onto them.
+"""Device meshes and the one table of logical-axis rules that maps weights, caches, batches and activations onto them.
 
-Every weight declares logical axis names (models.llama.weight_specs); one rule table maps those names onto mesh axes.
-A dimension that does not divide by its mesh axis, or whose mesh axis is already used by another dimension of the
-same array, is replicated instead, so one rule table serves every model size.
+Every array that decoding or training keeps declares logical axis names: the weights in `models.llama.weight_specs`,
+the KV cache in `CACHE_AXES`, batches as ("batch", ...). One rule table maps those names onto mesh axes. A dimension
+that does not divide by its mesh axis, or whose mesh axis is already used by another dimension of the same array,
+is replicated instead, so one rule table serves every model size.
+
+Inside a traced function, `constrain` pins a value to its logical axes on the mesh set with `jax.set_mesh` (the
+decoding loops enter the mesh of the weights they are given); with no mesh set it does nothing.
 """
 
 from __future__ import annotations
@@ -11,12 +15,11 @@ import math
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from specjax.config import ModelConfig
 from specjax.errors import InputError
-from specjax.models.llama import ArraySpec, Weights, weight_specs
 
 # Logical axis -> mesh axis. Heads and MLP columns go tensor-parallel, batches data-parallel.
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
@@ -26,6 +29,9 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
 )
+# A KV cache's k and v: [L, B, S, K, H].
+CACHE_AXES = ("layers", "batch", "slots", "kv_heads", "head_dim")
+MESH_AXES = ("data", "tensor")  # the axes the decoding tools' --mesh names
 
 
 def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -48,8 +54,47 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     return Mesh(np.array(devices).reshape(tuple(sizes.values())), tuple(sizes))
 
 
-def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> PartitionSpec:
-    """The PartitionSpec of an array with these logical axes on `mesh`.
+def default_mesh_axes(num_devices: int, num_kv_heads: int) -> dict[str, int]:
+    """Every device: tensor-parallel as far as the KV heads divide (each device keeps whole KV heads), the rest of
+    the devices data-parallel."""
+    tensor = max(t for t in range(1, num_devices + 1) if num_devices % t == 0 and num_kv_heads % t == 0)
+    return {"data": num_devices // tensor, "tensor": tensor}
+
+
+MeshChoice = Mesh | Mapping[str, int] | str | None  # a mesh, axis sizes, "auto" (every local device) or None (one)
+
+
+def mesh_for(choice: MeshChoice, num_kv_heads: int) -> Mesh | None:
+    """The mesh a model with `num_kv_heads` KV heads is placed on: `choice` itself; a mesh of its axis sizes (over the
+    first devices when they ask for fewer than there are); every device by `default_mesh_axes` ("auto"); None (one
+    device, unsharded) for None or a single device."""
+    if choice is None or isinstance(choice, Mesh):
+        return choice
+    devices = jax.local_devices() if jax.process_count() == 1 else jax.devices()
+    axes = default_mesh_axes(len(devices), num_kv_heads) if choice == "auto" else dict(choice)
+    if -1 not in axes.values():  # fewer devices than there are: the first ones (data=1 is one device)
+        devices = devices[: math.prod(axes.values())]
+    mesh = make_mesh(axes, devices)
+    return mesh if mesh.size > 1 else None
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data=2,tensor=4' -> {"data": 2, "tensor": 4}; an axis left out has size 1, one size may be -1 (the rest).
+    Raises InputError."""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or not size.strip().lstrip("-").isdigit():
+            raise InputError(f"--mesh {text!r}: expected axes like data=2,tensor=4 (axes: {', '.join(MESH_AXES)})")
+        sizes[name] = int(size)
+    if any(s == 0 or s < -1 for s in sizes.values()):
+        raise InputError(f"--mesh {text!r}: sizes must be positive, or -1 for the rest of the devices")
+    return sizes
+
+
+def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh, rules=DEFAULT_RULES) -> PartitionSpec:
+    """The PartitionSpec of an array with these logical axes on `mesh` (a Mesh or an AbstractMesh).
 
     A rule maps a logical axis to one mesh axis or a tuple of them (e.g. batch over ("data", "fsdp")).
     """
@@ -73,15 +118,41 @@ def named_sharding(axes, shape, mesh: Mesh, rules=DEFAULT_RULES) -> NamedShardin
     return NamedSharding(mesh, partition_spec(axes, shape, mesh, rules))
 
 
-def weight_shardings(cfg: ModelConfig, mesh: Mesh, rules=DEFAULT_RULES) -> Weights:
-    """A Weights pytree of NamedShardings for `cfg` on `mesh`."""
-    return jax.tree.map(
-        lambda s: named_sharding(s.axes, s.shape, mesh, rules),
-        weight_specs(cfg),
-        is_leaf=lambda x: isinstance(x, ArraySpec),
-    )
+def shard_fraction(axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int]) -> int:
+    """How many ways an array with these logical axes is split on a mesh of `mesh_shape` (its bytes per device are
+    its bytes over this)."""
+    spec = partition_spec(axes, shape, _Shape(mesh_shape))
+    names = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
+    return math.prod(mesh_shape[a] for a in names)
 
 
-def shard_weights(weights: Weights, cfg: ModelConfig, mesh: Mesh, rules=DEFAULT_RULES) -> Weights:
-    """Places existing weights onto the mesh."""
-    return jax.tree.map(jax.device_put, weights, weight_shardings(cfg, mesh, rules))
+class _Shape:
+    """A mesh's axis sizes alone: what `partition_spec` reads, for plans made without devices."""
+
+    def __init__(self, shape: Mapping[str, int]):
+        self.shape = dict(shape)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None], rules=DEFAULT_RULES) -> jax.Array:
+    """`x` pinned to its logical axes on the mesh set by `jax.set_mesh`; `x` itself when none is set."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, partition_spec(axes, x.shape, mesh, rules))
+
+
+def set_rows(x: jax.Array, index: jax.Array, values, mode: str = "drop") -> jax.Array:
+    """`x.at[b, index[b]].set(values[b])` for every row b, written row by row (vmap): the scatter's batch dimension
+    is then explicit, so where rows are split over a mesh's data axis each shard writes its own rows and gathers
+    nothing. `index` is [B] or [B, T]; `values` broadcasts to it (and x's trailing dimensions)."""
+    values = jnp.broadcast_to(jnp.asarray(values, x.dtype), index.shape + x.shape[2:])
+    return jax.vmap(lambda row, i, v: row.at[i].set(v, mode=mode))(x, index, values)
+
+
+def mesh_of(tree) -> Mesh | None:
+    """The mesh of the first array of `tree` placed on more than one device by a NamedSharding, else None."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+            return sharding.mesh
+    return None

@@ -13,8 +13,8 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.decoding.autoregressive import generate
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import forward, init_weights
-from specjax.sharding import make_mesh, shard_weights
+from specjax.models.llama import forward, init_weights, shard_weights
+from specjax.sharding import make_mesh
 
 
 def main(mesh_axes: dict[str, int]) -> None:

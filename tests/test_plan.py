@@ -116,3 +116,20 @@ def test_generate_plan_prints_the_table_and_decodes_nothing(monkeypatch, capsys)
 def test_generate_plan_is_at_the_batch_asked_for_even_with_fewer_prompts(capsys):
     generate_cli.main(["--model", "tiny-random", "--prompt", "Hi", "--batch-size", "8", "--plan"])
     assert "KV cache (batch 8," in capsys.readouterr().out
+
+
+def test_a_plan_on_a_mesh_splits_weights_and_cache_by_their_axes():
+    # Llama-3.1-8B's shapes: 32 layers of 4096, 32 query heads over 8 KV heads of 128, MLP 14336, vocabulary 128256.
+    cfg = ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, max_position_embeddings=131072)
+    whole = plan.memory_plan(cfg, jnp.bfloat16, batch=8, prompt_len=1000, max_new_tokens=1024)
+    split = plan.memory_plan(cfg, jnp.bfloat16, batch=8, prompt_len=1000, max_new_tokens=1024,
+                             mesh={"data": 2, "tensor": 4})  # fmt: skip
+    L, D, F, V, H = 32, 4096, 14336, 128256, 128
+    per_layer = 2 * D + (D * 32 * H + 2 * D * 8 * H + 32 * H * D + 3 * D * F) // 4  # norms whole, the rest over tensor
+    assert split.weights == 2 * (L * per_layer + D + 2 * V * D // 4)  # embedding and LM head over tensor too
+    assert whole.weights == 2 * (L * (2 * D + D * 32 * H + 2 * D * 8 * H + 32 * H * D + 3 * D * F) + D + 2 * V * D)
+    assert split.kv_cache * 8 == whole.kv_cache  # rows over data, KV heads over tensor
+    # Scores, new keys and values and logits over rows and heads (or the vocabulary), the residual stream over rows.
+    assert whole.activations / 8 < split.activations < whole.activations / 2
+    assert split.mesh == (("data", 2), ("tensor", 4))
+    assert "per device (mesh data=2, tensor=4)" in split.table()

@@ -1,11 +1,14 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from specjax.errors import InputError
-from specjax.sharding import make_mesh, partition_spec
+from specjax.sharding import default_mesh_axes, make_mesh, mesh_for, parse_mesh, partition_spec, set_rows
 
 
 @pytest.mark.parametrize("data,tensor", [(1, 8), (2, 4)])
@@ -25,3 +28,70 @@ def test_indivisible_or_reused_axes_are_replicated():
     mesh = make_mesh({"data": 1, "tensor": 1})
     spec = partition_spec(("heads", "kv_heads"), (9, 3), mesh)
     assert tuple(spec) == ("tensor", None)
+
+
+def run_script(name: str, *args) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name(name)), *map(str, args)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("meshes", [["data=2,tensor=4"], pytest.param(["tensor=8", "data=8"], marks=pytest.mark.slow)])
+def test_generate_on_a_mesh_gives_one_devices_tokens_for_every_drafter(tmp_path, meshes):
+    lines = [line for line in run_script("mesh_decode.py", tmp_path, *meshes).splitlines() if line.endswith("}")]
+    assert [line.split(":")[0] for line in lines] == meshes
+    assert all(": identical" in line for line in lines), lines
+
+
+def category(collective: dict) -> tuple[str, str]:
+    """(kind, the operation it came from, without the jit and loop prefixes)."""
+    return collective["kind"], collective["op"].removesuffix("/dot_general").rpartition("/")[2]
+
+
+def test_decode_programs_hold_only_the_collectives_tensor_parallelism_needs(tmp_path):
+    found = json.loads(run_script("mesh_collectives.py", tmp_path).splitlines()[-1])
+    out_proj, mlp_down = "btnh,nhd->btd", "btf,fd->btd"
+    for program, collectives in found.items():
+        # Inside the layer scans: only the reduction after attention and the one after the MLP, the latter once per
+        # target forward (the prefill and the step or verification). The EAGLE-3 head's step may add its own
+        # reduction after attention (the head is not placed by rules of its own yet).
+        in_layers = [category(c) for c in collectives if "closed_call/" in c["op"] and "dot_general" in c["op"]]
+        assert set(in_layers) == {("all-reduce", out_proj), ("all-reduce", mlp_down)}, (program, in_layers)
+        assert in_layers.count(("all-reduce", mlp_down)) == 2, (program, in_layers)
+        # The cache is written shard by shard: no collective serves a cache write.
+        assert not [c for c in collectives if c["op"].endswith("scatter")], (program, collectives)
+    plain = sorted("{}:{}".format(*category(c)) for c in found["plain"])
+    # Per layer of the prefill and of a step: the two reductions; the embedding lookup of the vocabulary-split
+    # table: one reduction per forward; the argmax over the vocabulary-split logits: values and ids from each
+    # tensor shard, per forward; the loop's "all rows done" over the data axis.
+    expected = [f"all-reduce:{out_proj}", f"all-reduce:{mlp_down}"] * 2 + ["all-reduce:gather"] * 2
+    expected += ["all-gather:reduce"] * 4 + ["all-reduce:reduce_and"]
+    assert plain == sorted(expected), plain
+
+
+def test_mesh_flags_and_defaults():
+    assert parse_mesh("data=2,tensor=4") == {"data": 2, "tensor": 4}
+    assert parse_mesh("tensor=-1") == {"data": 1, "tensor": -1}
+    for bad in ("model=2", "data=two", "data=0", "data=-2"):
+        with pytest.raises(InputError, match="--mesh"):
+            parse_mesh(bad)
+    assert default_mesh_axes(8, 8) == {"data": 1, "tensor": 8}
+    assert default_mesh_axes(8, 2) == {"data": 4, "tensor": 2}
+    assert default_mesh_axes(8, 3) == {"data": 8, "tensor": 1}
+    assert mesh_for("auto", 4) is None and mesh_for(None, 4) is None  # one device here: unsharded, as before
+
+
+def test_set_rows_writes_what_a_per_row_scatter_writes():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 7, 2)), jnp.float32)
+    index = jnp.asarray([[0, 6, 9], [2, 3, 4], [7, 1, 1]])  # 9 and 7 past the end: dropped
+    values = jnp.asarray(rng.normal(size=(3, 3, 2)), jnp.float32)
+    rows = jnp.arange(3)[:, None]
+    np.testing.assert_array_equal(set_rows(x, index[:, :2], values[:, :2]), x.at[rows, index[:, :2]].set(values[:, :2]))
+    np.testing.assert_array_equal(set_rows(x, index, 1.5), x.at[rows, index].set(1.5, mode="drop"))
+    flat = jnp.zeros((3, 5), jnp.int32)
+    np.testing.assert_array_equal(
+        set_rows(flat, jnp.asarray([4, 0, 5]), 7), flat.at[jnp.arange(3), [4, 0, 5]].set(7, mode="drop")
+    )

@@ -32,7 +32,7 @@ from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.evalsets import chat_prompts, humaneval_prompts
 from specjax.host import machine, status, write_file
-from specjax.io.loading import LoadedModel, load_model
+from specjax.io.loading import LoadedModel
 from specjax.measure.bandwidth import device_bandwidth
 from specjax.measure.memory import weight_bytes
 from specjax.measure.timing import (
@@ -472,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli.check_output_dir(args.out_dir)
     json_path = cli.check_output_file(args.json_out or args.out_dir / "bench.json")
     plot_path = cli.check_output_file(args.plot or args.out_dir / "bench.png")
-    model = load_model(args.model)
+    model = cli.load_target(args)
     ids = cli.encode_prompts(model.tokenizer, prompts, args.raw)
     eos = model.eos_ids
     batch_size = args.batch_size or 1

@@ -9,13 +9,17 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import jax.numpy as jnp
+
 from specjax.config import INT32_END, SamplingConfig
 from specjax.errors import InputError, OutputError, SpecjaxError
 from specjax.host import status, write_file
 from specjax.io.jsonl import read_prompts_file
+from specjax.io.loading import load_model
 from specjax.io.tokenizer import Tokenizer
 from specjax.measure.calibration import CALIBRATION_DRAFT_TOKENS
 from specjax.measure.memory import MemoryPlan, check_fits, device_memory, memory_plan
+from specjax.sharding import mesh_of, parse_mesh
 
 RawDescription = argparse.RawDescriptionHelpFormatter
 DEFAULT_DRAFT_TOKENS = 5  # K, drafts per round, of specjax-generate and specjax-bench when none is given
@@ -67,6 +71,15 @@ def add_model_args(parser: argparse.ArgumentParser, batch_default: str = "all, a
     parser.add_argument(
         "--batch-size", type=integer, default=None, help=f"prompts per batch (default: {batch_default})"
     )
+    parser.add_argument(
+        "--mesh", default="auto", metavar="data=D,tensor=T",
+        help="the devices the model is split over: 'auto' (the default) uses every local device, tensor-parallel as "
+        "far as the KV heads divide and the rest data-parallel; an axis left out has size 1, -1 means the rest",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+        help="weight and KV cache dtype; auto: bfloat16 on GPU and TPU, float32 on the CPU",
+    )  # fmt: skip
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +91,12 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
     return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def load_target(args: argparse.Namespace):
+    """The --model, in --dtype, read straight into its shards on --mesh."""
+    dtype = None if args.dtype == "auto" else jnp.dtype(args.dtype)
+    return load_model(args.model, dtype, "auto" if args.mesh == "auto" else parse_mesh(args.mesh))
 
 
 def gather_prompts(args: argparse.Namespace, default: Sequence[str] = ()) -> list[str]:
@@ -207,13 +226,15 @@ def memory_plan_at(model, drafter, num_draft_tokens: int | str, prompt_len: int,
     """The run's memory plan (`specjax.measure.memory`) as a function of its rows; `num_draft_tokens` 'auto' plans
     for the largest draft adaptive drafting compiles."""
     shape = None
+    on = mesh_of(model.weights)
+    mesh = dict(on.shape) if on is not None else None
     if drafter is not None:
         shape = drafter.draft_shape(auto_max_drafts(drafter) if num_draft_tokens == "auto" else num_draft_tokens)
 
     def plan_at(rows: int) -> MemoryPlan:
         return memory_plan(
             model.cfg, model.weights.embed.dtype, batch=rows, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-            drafter=drafter, draft_shape=shape, target_weights=model.weights,
+            drafter=drafter, draft_shape=shape, target_weights=model.weights, mesh=mesh,
         )  # fmt: skip
 
     return plan_at

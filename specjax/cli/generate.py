@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     json_out = cli.check_output_file(args.json_out) if args.json_out else None
     prompts = cli.gather_prompts(args, default=[DEFAULT_PROMPT])
     tree = TreeSpec.parse(args.tree) if args.tree is not None else None
-    model = load_model(args.model)
+    model = cli.load_target(args)
     tok = model.tokenizer
     drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=_load_draft, tree=tree)
     prompt_ids = cli.encode_prompts(tok, prompts, args.raw)

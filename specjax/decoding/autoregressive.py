@@ -18,6 +18,7 @@ from specjax.decoding.batch import Completion, compiled, completions, is_eos, pr
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.sampling import Sampling, sample
+from specjax.sharding import constrain, set_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,7 @@ def prefill(
       rows with lengths = prompt lengths).
     """
     U, P = tokens_up.shape
+    tokens_up = constrain(tokens_up, ("batch", None))  # rows over the data axis of a mesh
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (U, P))
     logits, taps, cache = forward(weights, cfg, tokens_up, positions, cache, logits_at=(lengths_u - 1)[:, None], **kw)
     cache = cache.at_lengths(lengths_u)
@@ -116,7 +118,7 @@ def decode(
         cache = cache.advance(~s.done_b)
         key, sub = jax.random.split(s.key)
         token = jnp.where(s.done_b, pad, sample(sub, logits[:, 0], sampling))
-        out = s.out_bn.at[jnp.arange(B), s.num_new_b].set(token, mode="drop")
+        out = set_rows(s.out_bn, s.num_new_b, token)
         num_new = s.num_new_b + (~s.done_b)
         done = s.done_b | is_eos(token, eos_ids) | (num_new >= max_new_tokens)
         return DecodeState(out, num_new, done, cache, key)

@@ -6,6 +6,7 @@ executable is compiled once per (static arguments, shapes, dtypes, shardings) an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 import time
@@ -19,6 +20,7 @@ from specjax.config import ModelConfig, SamplingConfig
 from specjax.errors import InputError
 from specjax.host import status
 from specjax.sampling import Sampling
+from specjax.sharding import mesh_of
 
 PROMPT_BUCKET = 64
 
@@ -134,6 +136,9 @@ _EXECUTABLES: dict = {}
 def compiled(fn, args, static: dict):
     """AOT-compiles `fn` once per (static args, shapes, dtypes, shardings), so timing excludes compilation.
 
+    Arguments placed on a mesh (sharded weights) make it the traced mesh, so caches and batches take their logical
+    axes on it (`specjax.sharding.constrain`).
+
     Returns:
       (executable, seconds spent tracing and compiling now: 0 when it was cached).
     """
@@ -144,5 +149,7 @@ def compiled(fn, args, static: dict):
         return _EXECUTABLES[key], 0.0
     status(f"compiling {fn.__name__} (once per batch, prompt length bucket and max new tokens)")
     t0 = time.perf_counter()
-    _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+    mesh = mesh_of(args)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        _EXECUTABLES[key] = fn.lower(*args, **static).compile()
     return _EXECUTABLES[key], time.perf_counter() - t0

@@ -42,6 +42,7 @@ from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward_new_kv
 from specjax.sampling import Sampling, sample
+from specjax.sharding import set_rows
 
 
 @jax.tree_util.register_dataclass
@@ -109,8 +110,8 @@ def start(loop: Loop, tokens_up, lengths_u, key, active_b, num_samples: int) -> 
     tokens_bp, lengths_b = jnp.repeat(tokens_up, num_samples, axis=0), cache.lengths
     key, sub = jax.random.split(key)
     first = sample(sub, logits_bv, loop.sampling)
-    rows = jnp.arange(B)
-    tokens_bs = jnp.full((B, num_slots), pad, jnp.int32).at[:, :P].set(tokens_bp).at[rows, lengths_b].set(first)
+    tokens_bs = jnp.full((B, num_slots), pad, jnp.int32).at[:, :P].set(tokens_bp)
+    tokens_bs = set_rows(tokens_bs, lengths_b, first)
     draft_state = jax.lax.optimization_barrier(loop.drafter.init(tokens_bp, lengths_b, num_slots))
     draft_state = loop.drafter.commit(draft_state, tokens_bs[:, 1 : P + 1], taps_bpf, lengths_b)
     depths = [shape.depth for shape in loop.shapes]
@@ -174,7 +175,7 @@ def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Arra
     running = ~s.done_b
     after = dataclasses.replace(
         s,
-        tokens_bs=s.tokens_bs.at[jnp.arange(B)[:, None], slots].set(emitted, mode="drop"),
+        tokens_bs=set_rows(s.tokens_bs, slots, emitted),
         length_b=s.length_b + count,
         num_new_b=num_new,
         done_b=s.done_b | (eos_at < count) | (num_new >= loop.max_new_tokens),

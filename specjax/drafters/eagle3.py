@@ -27,6 +27,7 @@ from specjax.errors import InputError
 from specjax.models.eagle3 import Eagle3Head
 from specjax.models.kv_cache import KVCache
 from specjax.sampling import Sampling
+from specjax.sharding import set_rows
 
 
 @jax.tree_util.register_dataclass
@@ -182,7 +183,6 @@ class Eagle3Drafter(ChainDrafter):
         slots = jnp.arange(S)[None, None, :]
         root_logits_bv, root_g_bd = self.root(state)
         node_out = jnp.zeros((B, M, cfg.hidden_size), root_g_bd.dtype).at[:, 0].set(root_g_bd)
-        rows = jnp.arange(B)[:, None]
 
         def expand(tree: DraftTree, nodes_bf, ok_bf, aux):
             cache, node_out = aux
@@ -202,7 +202,7 @@ class Eagle3Drafter(ChainDrafter):
             )
             dst = jnp.where(ok_bf, c[:, None] + nodes_bf - 1, S)
             cache = cache.write_at(dst, k[None], v[None])
-            node_out = node_out.at[rows, jnp.where(ok_bf, nodes_bf, M)].set(out.astype(node_out.dtype), mode="drop")
+            node_out = set_rows(node_out, jnp.where(ok_bf, nodes_bf, M), out)
             return logits, (cache, node_out)
 
         tree, (cache, _) = grow_tree(

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from specjax.errors import InputError
 from specjax.sampling import Sampling, probabilities, process_logits
+from specjax.sharding import set_rows
 
 MAX_DRAFT_TOKENS = 32  # the deepest draft a round verifies: a chain's K, a tree's depth
 MAX_TREE_NODES = 64  # a tree's budget (root included): one verification forward over this many tokens
@@ -209,7 +210,6 @@ def grow_tree(
         vocab_ids = jnp.arange(V, dtype=jnp.int32)
     M, k = spec.grown_nodes(sampling), spec.topk
     keys = jax.random.split(key, spec.depth)
-    rows = jnp.arange(B)[:, None]
     tree = DraftTree(
         tokens=jnp.zeros((B, M), jnp.int32).at[:, 0].set(root_token_b),
         parents=jnp.zeros((B, M), jnp.int32),
@@ -245,15 +245,15 @@ def grow_tree(
         anc_new = anc_new | jax.nn.one_hot(dst, M, dtype=bool)
         nodes_drop = jnp.where(ok_bf, nodes_bf, M)
         tree = DraftTree(
-            tokens=tree.tokens.at[rows, dst].set(tok.reshape(B, f * k), mode="drop"),
-            parents=tree.parents.at[rows, dst].set(par, mode="drop"),
-            depths=tree.depths.at[rows, dst].set(jnp.repeat(par_depth + 1, k, axis=1), mode="drop"),
-            valid=tree.valid.at[rows, dst].set(True, mode="drop"),
-            scores=tree.scores.at[rows, dst].set((par_score[..., None] + lp).reshape(B, f * k), mode="drop"),
-            ancestors=tree.ancestors.at[rows, dst].set(anc_new, mode="drop"),
-            children=tree.children.at[rows, nodes_drop].set(jnp.where(keep, new, -1), mode="drop"),
-            expanded=tree.expanded.at[rows, nodes_drop].set(True, mode="drop"),
-            draft_probs=tree.draft_probs.at[rows, nodes_drop].set(probs, mode="drop"),
+            tokens=set_rows(tree.tokens, dst, tok.reshape(B, f * k)),
+            parents=set_rows(tree.parents, dst, par),
+            depths=set_rows(tree.depths, dst, jnp.repeat(par_depth + 1, k, axis=1)),
+            valid=set_rows(tree.valid, dst, True),
+            scores=set_rows(tree.scores, dst, (par_score[..., None] + lp).reshape(B, f * k)),
+            ancestors=set_rows(tree.ancestors, dst, anc_new),
+            children=set_rows(tree.children, nodes_drop, jnp.where(keep, new, -1)),
+            expanded=set_rows(tree.expanded, nodes_drop, True),
+            draft_probs=set_rows(tree.draft_probs, nodes_drop, probs),
             vocab_ids=vocab_ids,
         )
         return tree, count_b + jnp.sum(take, axis=1)
@@ -281,8 +281,8 @@ def best_nodes(tree: DraftTree, m: int) -> DraftTree:
     rows = jnp.arange(B)[:, None]
     _, kept = jax.lax.top_k(jnp.where(tree.valid, tree.scores, -jnp.inf), m)
     kept = jnp.sort(kept, axis=1).astype(jnp.int32)  # [B, m], the root first
-    new_index = jnp.zeros((B, C), jnp.int32).at[rows, kept].set(jnp.arange(m, dtype=jnp.int32))
-    is_kept = jnp.zeros((B, C), bool).at[rows, kept].set(True)
+    new_index = set_rows(jnp.zeros((B, C), jnp.int32), kept, jnp.arange(m, dtype=jnp.int32))
+    is_kept = set_rows(jnp.zeros((B, C), bool), kept, True)
 
     def pick(x):
         return x[rows, kept]

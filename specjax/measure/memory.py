@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -31,16 +31,18 @@ from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.models.llama import ArraySpec, Weights, weight_specs
 from specjax.sampling import Sampling
+from specjax.sharding import CACHE_AXES, shard_fraction
 
 GIB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes of one run's peak, by what holds them."""
+    """Bytes of one run's peak on each device, by what holds them."""
 
     batch: int  # rows
     num_slots: int  # KV slots per row
+    mesh: tuple[tuple[str, int], ...]  # the mesh's axis sizes; () for one device
     weights: int
     kv_cache: int
     drafter: int  # the drafter's own weights and its state
@@ -61,7 +63,8 @@ class MemoryPlan:
         ]
         if device_bytes is not None:
             rows.append(("device memory", device_bytes))
-        lines = ["| memory | GiB |", "|---|---:|", *(f"| {name} | {b / GIB:.3f} |" for name, b in rows)]
+        where = f" per device (mesh {', '.join(f'{a}={n}' for a, n in self.mesh)})" if self.mesh else ""
+        lines = [f"| memory{where} | GiB |", "|---|---:|", *(f"| {name} | {b / GIB:.3f} |" for name, b in rows)]
         return "\n".join(lines) + "\n"
 
 
@@ -69,25 +72,43 @@ def _nbytes(tree) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def weight_bytes(cfg: ModelConfig, dtype) -> int:
-    """Bytes of the target's weights in `dtype` (`weight_specs`: tied heads, biases and q/k norms included)."""
+def weight_bytes(cfg: ModelConfig, dtype, mesh: Mapping[str, int] | None = None) -> int:
+    """Bytes of the target's weights in `dtype` (`weight_specs`: tied heads, biases and q/k norms included), on each
+    device of a mesh of these axis sizes when given (each weight split by its logical axes)."""
     specs = jax.tree.leaves(weight_specs(cfg), is_leaf=lambda x: isinstance(x, ArraySpec))
-    return sum(math.prod(s.shape) for s in specs) * jnp.dtype(dtype).itemsize
+    split = (lambda s: shard_fraction(s.axes, s.shape, mesh)) if mesh else (lambda s: 1)
+    return sum(math.prod(s.shape) // split(s) for s in specs) * jnp.dtype(dtype).itemsize
 
 
 def forward_activations(
-    cfg: ModelConfig, dtype, batch: int, tokens: int, slots: int, logit_rows: int, taps: int = 0
+    cfg: ModelConfig,
+    dtype,
+    batch: int,
+    tokens: int,
+    slots: int,
+    logit_rows: int,
+    taps: int = 0,
+    mesh: Mapping[str, int] | None = None,
 ) -> int:
     """Peak bytes of one target forward over `tokens` new tokens per row against `slots` cache slots, computing
     float32 logits at `logit_rows` positions per row and returning `taps` tapped residual streams (besides the cache
-    it writes)."""
+    it writes); on each device of a mesh of these axis sizes when given."""
     size = jnp.dtype(dtype).itemsize
     B, T, L = batch, tokens, cfg.num_layers
-    scores = 2 * B * cfg.num_heads * T * (slots + T) * 4  # float32 scores and probabilities: cache slots, new tokens
-    new_kv = 2 * L * B * T * cfg.num_kv_heads * cfg.head_dim * size  # the layer scan's stacked outputs
-    layer = (weight_bytes(cfg, dtype) - weight_bytes(dataclasses.replace(cfg, num_layers=0), dtype)) // L
-    hidden = (2 + taps) * B * T * cfg.hidden_size * size  # residual stream, its norm, the taps
-    return scores + new_kv + layer + hidden + B * logit_rows * cfg.vocab_size * 4
+    mesh = mesh or {}
+
+    def split(*axes_and_dims: tuple[str, int]) -> int:
+        return shard_fraction(*zip(*axes_and_dims), mesh) if mesh else 1
+
+    rows = ("batch", B)
+    # float32 scores and probabilities over the cache slots and the new tokens
+    scores = 2 * B * cfg.num_heads * T * (slots + T) * 4 // split(rows, ("heads", cfg.num_heads))
+    new_kv = 2 * L * B * T * cfg.num_kv_heads * cfg.head_dim * size // split(rows, ("kv_heads", cfg.num_kv_heads))
+    none = dataclasses.replace(cfg, num_layers=0)
+    layer = (weight_bytes(cfg, dtype, mesh) - weight_bytes(none, dtype, mesh)) // L
+    hidden = (2 + taps) * B * T * cfg.hidden_size * size // split(rows)  # residual stream, its norm, the taps
+    logits = B * logit_rows * cfg.vocab_size * 4 // split(rows, ("vocab", cfg.vocab_size))
+    return scores + new_kv + layer + hidden + logits
 
 
 def memory_plan(
@@ -100,8 +121,9 @@ def memory_plan(
     drafter: Drafter | None = None,
     draft_shape: TreeSpec | None = None,
     target_weights: Weights | None = None,
+    mesh: Mapping[str, int] | None = None,
 ) -> MemoryPlan:
-    """The memory plan of a decoding run.
+    """The memory plan of a decoding run, on each device of its mesh.
 
     Args:
       cfg: the target config.
@@ -113,6 +135,9 @@ def memory_plan(
       draft_shape: the largest round's draft (`drafter.draft_shape(K)`, or of the largest adaptive entry).
       target_weights: the target's arrays, when the drafter shares some (layer-skip, an EAGLE-3 head's embedding):
         those are counted once, as weights.
+      mesh: the mesh's axis sizes ({"data": 2, "tensor": 4}); None for one device. The weights and the KV cache are
+        split by their logical axes (`specjax.sharding`), and so are the activations; the drafter and its work are
+        counted whole on every device.
     Returns:
       A MemoryPlan.
     """
@@ -120,20 +145,29 @@ def memory_plan(
     capacity = draft_shape.capacity if drafter is not None else 0
     slots = P + max_new_tokens + capacity
     size = jnp.dtype(dtype).itemsize
-    kv = 2 * batch * slots * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
+    cache_shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    kv = 2 * math.prod(cache_shape) * size
     taps = len(drafter.traits.tap_layers) if drafter is not None else 0
-    activations = forward_activations(cfg, dtype, batch, P, slots, 1, taps)
+    activations = forward_activations(cfg, dtype, batch, P, slots, 1, taps, mesh)
     drafter_bytes = 0
     if drafter is not None:
         verified = draft_shape.budget
         # The round's logits, and the draft distributions beside them ([B, T, V] float32 each).
-        activations = max(activations, forward_activations(cfg, dtype, batch, verified, slots, 2 * verified, taps))
+        activations = max(
+            activations, forward_activations(cfg, dtype, batch, verified, slots, 2 * verified, taps, mesh)
+        )
         shared = {id(x) for x in jax.tree.leaves(target_weights)}
         own = [x for x in jax.tree.leaves(drafter) if id(x) not in shared]
         state, drafter_work = _drafter_state_and_work(cfg, dtype, drafter, draft_shape, batch, P, slots)
         drafter_bytes = _nbytes(own) + _nbytes(state)
         activations = max(activations, drafter_work)
-    return MemoryPlan(batch, slots, weight_bytes(cfg, dtype), kv, drafter_bytes, activations)
+    if not mesh:
+        return MemoryPlan(batch, slots, (), weight_bytes(cfg, dtype), kv, drafter_bytes, activations)
+    kv_split = shard_fraction(CACHE_AXES, cache_shape, mesh)
+    return MemoryPlan(
+        batch, slots, tuple(mesh.items()), weight_bytes(cfg, dtype, mesh), kv // kv_split, drafter_bytes,
+        activations,
+    )  # fmt: skip
 
 
 def _drafter_state_and_work(

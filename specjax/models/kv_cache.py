@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
+from specjax.sharding import CACHE_AXES, constrain
 
 
 @jax.tree_util.register_dataclass
@@ -19,8 +20,10 @@ class KVCache:
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, num_slots: int, dtype=jnp.float32) -> KVCache:
+        """Zeroed buffers; on a mesh set with `jax.set_mesh`, rows over data and KV heads over tensor."""
         shape = (cfg.num_layers, batch, num_slots, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+        k, v = (constrain(jnp.zeros(shape, dtype), CACHE_AXES) for _ in "kv")
+        return cls(k, v, constrain(jnp.zeros((batch,), jnp.int32), ("batch",)))
 
     @property
     def num_slots(self) -> int:
@@ -34,10 +37,16 @@ class KVCache:
     def write_at(self, slots_bt: jax.Array, k_new: jax.Array, v_new: jax.Array) -> KVCache:
         """Writes [L, B, T, K, H] new keys/values to the given slots [B, T] of each row; slots past the end (>=
         num_slots) are dropped. Lengths do not move."""
-        rows = jnp.arange(k_new.shape[1])[:, None]
-        k = self.k.at[:, rows, slots_bt].set(k_new.astype(self.k.dtype), mode="drop")
-        v = self.v.at[:, rows, slots_bt].set(v_new.astype(self.v.dtype), mode="drop")
-        return dataclasses.replace(self, k=k, v=v)
+
+        # Row by row (vmap): the scatter's batch dimension is explicit, so on a mesh each data shard writes its own
+        # rows without gathering the others' new keys and values.
+        def write_rows(cache_lbskh, new_lbtkh):
+            def write_row(cache_lskh, new_ltkh, slots_t):
+                return cache_lskh.at[:, slots_t].set(new_ltkh.astype(cache_lskh.dtype), mode="drop")
+
+            return jax.vmap(write_row, in_axes=(1, 1, 0), out_axes=1)(cache_lbskh, new_lbtkh, slots_bt)
+
+        return dataclasses.replace(self, k=write_rows(self.k, k_new), v=write_rows(self.v, v_new))
 
     def at_lengths(self, lengths_b: jax.Array) -> KVCache:
         """The same buffers with `lengths_b` committed slots per row: moving lengths back is rolling back."""

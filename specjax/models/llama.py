@@ -18,6 +18,7 @@ import numpy as np
 from specjax.config import ModelConfig, RopeScaling
 from specjax.errors import CheckpointError
 from specjax.models.kv_cache import KVCache
+from specjax.sharding import DEFAULT_RULES, MeshChoice, mesh_for, named_sharding
 
 
 @jax.tree_util.register_dataclass
@@ -115,6 +116,16 @@ def init_weights(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: flo
     return treedef.unflatten([make(s, k) for s, k in zip(leaves, keys)])
 
 
+def weight_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES) -> Weights:
+    """A Weights pytree of NamedShardings for `cfg` on `mesh`, by the weights' logical axes."""
+    return jax.tree.map(lambda s: named_sharding(s.axes, s.shape, mesh, rules), weight_specs(cfg), is_leaf=_is_spec)
+
+
+def shard_weights(weights: Weights, cfg: ModelConfig, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES) -> Weights:
+    """Places existing weights onto the mesh."""
+    return jax.tree.map(jax.device_put, weights, weight_shardings(cfg, mesh, rules))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Conversion from the HF naming and [out, in] layout. Every loader (safetensors, GGUF, converted cache) lands here.
 
@@ -140,14 +151,39 @@ def hf_fetcher(
     return fetch
 
 
+# The LayerWeights field each HF tensor of a layer becomes.
+FIELD_OF_SUFFIX = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.o_proj.weight": "o",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+}
+
+
 def layers_from_hf(
-    cfg: ModelConfig, fetch: Callable[[str, tuple[int, ...]], np.ndarray], prefix: str = "model.layers."
+    cfg: ModelConfig,
+    fetch: Callable[[str, tuple[int, ...]], np.ndarray],
+    prefix: str = "model.layers.",
+    place: Callable[[str, np.ndarray], jax.Array | np.ndarray] = lambda field, w: w,
 ) -> LayerWeights:
-    """`cfg`'s decoder layers, stacked, as float32 numpy in the JAX layout, from HF tensors under `{prefix}{i}.`."""
+    """`cfg`'s decoder layers, stacked, from HF tensors under `{prefix}{i}.`: float32 numpy in the JAX layout, or
+    what `place(field, stacked)` makes of each as soon as it is stacked (so one stacked tensor is on the host at a
+    time)."""
     D, N, K, H, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
 
-    def stack(suffix: str, shape: tuple[int, ...], to_jax: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        return np.stack([to_jax(fetch(f"{prefix}{i}.{suffix}", shape)) for i in range(cfg.num_layers)])
+    def stack(suffix: str, shape: tuple[int, ...], to_jax: Callable[[np.ndarray], np.ndarray]):
+        field = FIELD_OF_SUFFIX[suffix]
+        return place(field, np.stack([to_jax(fetch(f"{prefix}{i}.{suffix}", shape)) for i in range(cfg.num_layers)]))
 
     def proj_in(heads):  # [heads*H, D] -> [D, heads, H]
         return lambda w: w.T.reshape(D, heads, H)
@@ -175,16 +211,18 @@ def weights_from_hf(
     cfg: ModelConfig,
     get: Callable[[str], np.ndarray],
     dtype=jnp.float32,
-    shardings: Weights | None = None,
+    mesh: MeshChoice = None,
     source: str = "checkpoint",
 ) -> Weights:
-    """Builds Weights from tensors in HF naming and PyTorch [out, in] layout.
+    """Builds Weights from tensors in HF naming and PyTorch [out, in] layout, each placed (in `dtype`, on its
+    shards) as soon as it is read, so the host never holds more than one stacked tensor in float32.
 
     Args:
       cfg: the model config.
       get: returns the named tensor as a numpy array; raises KeyError when absent.
       dtype: the dtype of the returned weights.
-      shardings: optional Weights pytree of shardings to place each weight with.
+      mesh: where to place them (`specjax.sharding.mesh_for`): None for the default device, "auto" for every local
+        device, a Mesh or its axis sizes; each weight is split by its logical axes.
       source: the checkpoint's folder or file, named in errors.
     Returns:
       The Weights. Raises CheckpointError naming any missing or mis-shaped tensor.
@@ -192,16 +230,25 @@ def weights_from_hf(
     D = cfg.hidden_size
     fetch = hf_fetcher(get, source)
     specs = weight_specs(cfg)
-    host = Weights(
-        embed=fetch("model.embed_tokens.weight", (cfg.vocab_size, D)),
-        layers=layers_from_hf(cfg, fetch),
-        final_norm=fetch("model.norm.weight", (D,)),
-        lm_head=None if cfg.tie_word_embeddings else fetch("lm_head.weight", (cfg.vocab_size, D)).T,
+    on = mesh_for(mesh, cfg.num_kv_heads)
+    shardings = weight_shardings(cfg, on) if on is not None else None
+
+    def placer(spec_of: Callable[[Weights], object]):
+        def place(field: str, w: np.ndarray) -> jax.Array:
+            _check_shape(getattr(spec_of(specs), field), w)
+            if shardings is None:
+                return jnp.asarray(w, dtype)
+            return jax.device_put(w.astype(dtype), getattr(spec_of(shardings), field))
+
+        return place
+
+    top = placer(lambda tree: tree)
+    return Weights(
+        embed=top("embed", fetch("model.embed_tokens.weight", (cfg.vocab_size, D))),
+        layers=layers_from_hf(cfg, fetch, place=placer(lambda tree: tree.layers)),
+        final_norm=top("final_norm", fetch("model.norm.weight", (D,))),
+        lm_head=None if cfg.tie_word_embeddings else top("lm_head", fetch("lm_head.weight", (cfg.vocab_size, D)).T),
     )
-    jax.tree.map(lambda spec, w: _check_shape(spec, w), specs, host, is_leaf=_is_spec)
-    if shardings is None:
-        return jax.tree.map(lambda w: jnp.asarray(w, dtype), host)
-    return jax.tree.map(lambda w, s: jax.device_put(w.astype(dtype), s), host, shardings)
 
 
 def weights_to_hf(cfg: ModelConfig, weights: Weights) -> dict[str, np.ndarray]:

@@ -1,0 +1,73 @@
+"""Run as a script with 8 fake CPU devices: `specjax-generate --mesh M` gives, for each drafter, the greedy tokens
+that one device gives. Arguments: a work folder, then meshes (data=2,tensor=4 ...). Prints one line per mesh."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from specjax.cli.generate import main as generate
+from specjax.config import ModelConfig
+from specjax.io.dflash_checkpoint import save_dflash
+from specjax.io.eagle3_checkpoint import save_eagle3
+from specjax.io.hf import save_hf
+from specjax.io.loading import tiny_random_model
+from specjax.models.dflash import DFlashConfig, init_dflash
+from specjax.models.eagle3 import Eagle3Config, Eagle3Head
+from specjax.models.llama import init_weights
+
+PROMPTS = ["def add(a, b):", "The capital of France", "1, 2, 3, 4,", "Hello", "for i in range(", "a b a b a b",
+           "import numpy as np", "Once upon a time"]  # fmt: skip
+
+
+def build(root: Path) -> dict[str, list[str]]:
+    """A random 3-layer target with 8 heads over 4 KV heads (so tensor=4 splits the cache), a random EAGLE-3 head and
+    a random DFlash draft for it; the drafter flags to test."""
+    tokenizer = tiny_random_model().tokenizer
+    cfg = ModelConfig(
+        "llama", tokenizer.vocab_size, 64, 128, 3, 8, 4, 8, max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
+    )  # fmt: skip
+    save_hf(root / "target", cfg, init_weights(cfg, jax.random.key(0), scale=0.1))
+    tokenizer.to_folder(root / "target")
+    head_cfg = Eagle3Config.default_for(cfg, draft_vocab_size=512)
+    save_eagle3(root / "eagle3", head_cfg, Eagle3Head(head_cfg, rngs=nnx.Rngs(0)), dtype=np.float32)
+    dflash_cfg = DFlashConfig.default_for(cfg, mask_token_id=0, num_layers=1, block_size=4)
+    save_dflash(root / "dflash", dflash_cfg, init_dflash(dflash_cfg, jax.random.key(1), scale=0.3), dtype=np.float32)
+    eagle3 = f"eagle3:{root / 'eagle3'}"
+    return {
+        "ngram": ["--drafter", "ngram"],
+        "eagle3 chain": ["--drafter", eagle3],
+        "eagle3 tree": ["--drafter", eagle3, "--tree", "3,2,6"],
+        "lookup first": ["--drafter", f"ngram+{eagle3}"],
+        "dflash": ["--drafter", f"dflash:{root / 'dflash'}"],
+    }
+
+
+def tokens(root: Path, mesh: str, drafter: list[str]) -> list[list[int]]:
+    out = root / "out.json"
+    prompts = [arg for p in PROMPTS for arg in ("--prompt", p)]
+    generate(["--model", str(root / "target"), *prompts, "--raw", "--max-new-tokens", "12", "--batch-size", "8",
+              "--num-draft-tokens", "3", "--mesh", mesh, *drafter, "--json", str(out)])  # fmt: skip
+    return [r["output_ids"] for r in json.loads(out.read_text())["results"]]
+
+
+def main(root: Path, meshes: list[str]) -> None:
+    assert len(jax.devices()) == 8, jax.devices()
+    drafters = build(root)
+    one = {name: tokens(root, "data=1", flags) for name, flags in drafters.items()}
+    for mesh in meshes:
+        same = {name: tokens(root, mesh, flags) == one[name] for name, flags in drafters.items()}
+        print(f"{mesh}: {'identical' if all(same.values()) else 'DIFFERENT'} {same}", flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
