@@ -46,6 +46,16 @@ def status(message: str) -> None:
     log.info(message)
 
 
+def start_distributed(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None):
+    """Joins a multi-process run (`jax.distributed.initialize`): with a coordinator HOST:PORT given, or one named by
+    JAX_COORDINATOR_ADDRESS (the rest auto-detected on TPU pods, SLURM, MPI, Kubernetes); a single-process run
+    otherwise. Call before anything touches a device."""
+    if coordinator is None and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # how CPU devices of processes reduce
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+
+
 def cache_dir() -> Path:
     """The specjax cache: `$SPECJAX_CACHE`, else `$XDG_CACHE_HOME/specjax`, else `~/.cache/specjax`. A cache is an
     optimisation: when that folder cannot be made or written, a warning and a temporary folder for this process."""

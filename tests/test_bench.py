@@ -165,7 +165,7 @@ def test_bench_runs_the_chat_set(tmp_path):
 def test_an_unwritable_output_is_refused_before_any_work(monkeypatch):
     from specjax.errors import InputError
 
-    monkeypatch.setattr(bench, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(bench.cli, "load_target", lambda *a: pytest.fail("the model was loaded"))
     with pytest.raises(InputError, match="cannot create the output folder '/proc/specjax'"):
         bench.main(["--model", "tiny-random", "--modes", "ar", "--out-dir", "/proc/specjax"])
 

@@ -1,4 +1,6 @@
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +42,8 @@ def run_script(name: str, *args) -> str:
 
 @pytest.mark.parametrize("meshes", [["data=2,tensor=4"], pytest.param(["tensor=8", "data=8"], marks=pytest.mark.slow)])
 def test_generate_on_a_mesh_gives_one_devices_tokens_for_every_drafter(tmp_path, meshes):
-    lines = [line for line in run_script("mesh_decode.py", tmp_path, *meshes).splitlines() if line.endswith("}")]
+    lines = run_script("mesh_decode.py", tmp_path, "compare", *meshes).splitlines()
+    lines = [line for line in lines if line.endswith("}")]
     assert [line.split(":")[0] for line in lines] == meshes
     assert all(": identical" in line for line in lines), lines
 
@@ -95,3 +98,40 @@ def test_set_rows_writes_what_a_per_row_scatter_writes():
     np.testing.assert_array_equal(
         set_rows(flat, jnp.asarray([4, 0, 5]), 7), flat.at[jnp.arange(3), [4, 0, 5]].set(7, mode="drop")
     )
+
+
+def test_generate_across_two_processes_gives_one_devices_tokens(tmp_path):
+    """Two local processes of 4 fake devices each (jax.distributed on 127.0.0.1), one data=2,tensor=4 mesh: the EAGLE-3
+    tree loop's greedy tokens are one device's; process 0 writes them."""
+    script = str(Path(__file__).with_name("mesh_decode.py"))
+    reference = json.loads(run_script("mesh_decode.py", tmp_path, "tokens", "eagle3 tree", "data=1").splitlines()[-1])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                script,
+                str(tmp_path),
+                "tokens",
+                "eagle3 tree",
+                "data=2,tensor=4",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
+    assert json.loads(outputs[0][0].splitlines()[-1]) == reference

@@ -473,6 +473,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     json_path = cli.check_output_file(args.json_out or args.out_dir / "bench.json")
     plot_path = cli.check_output_file(args.plot or args.out_dir / "bench.png")
     model = cli.load_target(args)
+    if jax.process_count() > 1:
+        raise InputError("specjax-bench measures one process: run it on one host, whose devices --mesh splits over")
     ids = cli.encode_prompts(model.tokenizer, prompts, args.raw)
     eos = model.eos_ids
     batch_size = args.batch_size or 1

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from specjax.config import INT32_END, SamplingConfig
 from specjax.errors import InputError, OutputError, SpecjaxError
-from specjax.host import status, write_file
+from specjax.host import start_distributed, status, write_file
 from specjax.io.jsonl import read_prompts_file
 from specjax.io.loading import load_model
 from specjax.io.tokenizer import Tokenizer
@@ -80,6 +80,13 @@ def add_model_args(parser: argparse.ArgumentParser, batch_default: str = "all, a
         "--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
         help="weight and KV cache dtype; auto: bfloat16 on GPU and TPU, float32 on the CPU",
     )  # fmt: skip
+    parser.add_argument(
+        "--coordinator", metavar="HOST:PORT|auto",
+        help="multi-host: run the same command on every host with the coordinator's address (process 0's), or "
+        "'auto' where jax.distributed finds it (TPU pods, SLURM, MPI, Kubernetes); process 0 prints and writes",
+    )  # fmt: skip
+    parser.add_argument("--num-processes", type=integer, help="multi-host: the number of processes")
+    parser.add_argument("--process-id", type=integer, help="multi-host: this process's index, 0 first")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +101,10 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
 
 
 def load_target(args: argparse.Namespace):
-    """The --model, in --dtype, read straight into its shards on --mesh."""
+    """The --model, in --dtype, read straight into its shards on --mesh (across the processes of a multi-host run,
+    which this joins first)."""
+    if args.coordinator is not None:
+        start_distributed(None if args.coordinator == "auto" else args.coordinator, args.num_processes, args.process_id)
     dtype = None if args.dtype == "auto" else jnp.dtype(args.dtype)
     return load_model(args.model, dtype, "auto" if args.mesh == "auto" else parse_mesh(args.mesh))
 

@@ -6,12 +6,15 @@ import json
 import sys
 from collections.abc import Sequence
 
+import jax
+
 from specjax.adaptive import Adaptive
 from specjax.cli import common as cli
 from specjax.decoding import speculative
 from specjax.decoding.autoregressive import generate
 from specjax.drafters import SPEC_HELP, drafter_from_spec
 from specjax.drafters.tree import TreeSpec
+from specjax.errors import InputError
 from specjax.host import status
 from specjax.io.loading import load_model
 
@@ -76,6 +79,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     per_call = max(1, min(rows // samples, len(prompts)))  # prompts per batch (more would decode padding rows)
     batch_size = per_call * samples
     drafter, verified = cli.fixed_drafting(model, drafter, args.num_draft_tokens, args.lookup_tokens)
+    if verified == "auto" and drafter is not None and jax.process_count() > 1:
+        raise InputError(
+            "adaptive drafting times each process's own calls, and the processes of a multi-host run must agree: "
+            "give --num-draft-tokens K"
+        )
+    speaks = jax.process_index() == 0  # on a multi-host run, process 0 prints and writes
     plan_at = cli.memory_plan_at(model, drafter, verified, max(map(len, prompt_ids)), args.max_new_tokens)
     if args.plan:  # at the batch asked for, even where these prompts would fill fewer rows
         print(plan_at(args.batch_size or batch_size).table(cli.device_memory()), end="")
@@ -134,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "stats": {"new_tokens": n, "seconds": out.seconds, "tokens_per_s": n / out.seconds, **spec_stats},
                 }
             )
-        if not args.json_out:
+        if speaks and not args.json_out:
             for r in results[first:]:
                 s = r["stats"]
                 print(f"\n>>> {r['prompt']}\n{r['text']}")
@@ -153,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     )
     if isinstance(verified, Adaptive):
         status(f"adaptive drafting, cost of a round after the timed calls: {cli.menu_costs(verified)}")
-    if json_out:
+    if json_out and speaks:
         config = {
             "model": args.model,
             "source": model.source,

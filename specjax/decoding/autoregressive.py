@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding.batch import Completion, compiled, completions, is_eos, prepare_batch, prng_key
+from specjax.decoding.batch import Completion, compiled, completions, is_eos, on_mesh, prepare_batch, prng_key, to_host
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, forward
 from specjax.sampling import Sampling, sample
@@ -157,8 +157,9 @@ def generate(
     req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
     args = (weights, jnp.asarray(req.tokens), jnp.asarray(req.lengths), prng_key(seed), req.sampling)
     static = dict(cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=req.eos, num_samples=num_samples)
+    args = on_mesh(args)
     executable, compile_seconds = compiled(decode, args, static)
     t0 = time.perf_counter()
-    out, num_new = jax.device_get(executable(*args))
+    out, num_new = to_host(executable(*args))
     seconds = time.perf_counter() - t0
     return GenerateResult(completions(req.row_prompts, out, num_new, req.eos), seconds, compile_seconds)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.errors import InputError
@@ -128,6 +130,31 @@ def completions(prompts: Sequence[Sequence[int]], out_bn, num_new_b, eos: tuple[
 def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     """bool, of the shape of `tokens`: which are end-of-sequence ids."""
     return jnp.isin(tokens, jnp.array(eos_ids or (-1,), jnp.int32))
+
+
+def on_mesh(args):
+    """`args` with every array not yet on the mesh of its sharded ones (the weights) replicated onto it: the prompts,
+    keys and sampling values, a drafter's weights. So a program spans every device, of every process, of that mesh."""
+    mesh = mesh_of(args)
+    if mesh is None:
+        return args
+    whole = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh:
+            return x
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(place(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        return jax.device_put(np.asarray(x), whole)  # from the host: every process holds the same values
+
+    return jax.tree.map(place, args)
+
+
+def to_host(tree):
+    """numpy copies of a program's outputs, gathered from every process where they are split across processes."""
+    return jax.tree.map(
+        lambda x: np.asarray(x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)), tree
+    )
 
 
 _EXECUTABLES: dict = {}

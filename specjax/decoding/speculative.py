@@ -34,7 +34,16 @@ from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.acceptance import accept
 from specjax.decoding.autoregressive import GenerateResult, prefill
 from specjax.decoding.autoregressive import generate as plain_generate
-from specjax.decoding.batch import compiled, completions, is_eos, prepare_batch, prng_key, prompt_bucket
+from specjax.decoding.batch import (
+    compiled,
+    completions,
+    is_eos,
+    on_mesh,
+    prepare_batch,
+    prng_key,
+    prompt_bucket,
+    to_host,
+)
 from specjax.decoding.stats import SpecResult, SpecStats
 from specjax.drafters.base import Drafter, pending_tokens
 from specjax.drafters.tree import MAX_DRAFT_TOKENS, DraftTree, TreeSpec, path_to
@@ -358,11 +367,12 @@ def generate(
     args = (weights, drafter, policy, jnp.asarray(req.tokens), jnp.asarray(req.lengths), prng_key(seed),
             req.sampling, jnp.asarray(req.active))  # fmt: skip
     static = dict(cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=req.eos, num_samples=num_samples)
+    args = on_mesh(args)
     executable, compile_seconds = compiled(speculative_decode, args, static)
     t0 = time.perf_counter()
     result = executable(*args)
     s = result.state
-    out, num_new, rounds, hist, by_entry = jax.device_get(
+    out, num_new, rounds, hist, by_entry = to_host(
         (result.out_bn, s.num_new_b, s.rounds, s.accepted_hist, s.menu_rounds)
     )
     seconds = time.perf_counter() - t0

@@ -38,15 +38,23 @@ class KVCache:
         """Writes [L, B, T, K, H] new keys/values to the given slots [B, T] of each row; slots past the end (>=
         num_slots) are dropped. Lengths do not move."""
 
-        # Row by row (vmap): the scatter's batch dimension is explicit, so on a mesh each data shard writes its own
-        # rows without gathering the others' new keys and values.
-        def write_rows(cache_lbskh, new_lbtkh):
-            def write_row(cache_lskh, new_ltkh, slots_t):
-                return cache_lskh.at[:, slots_t].set(new_ltkh.astype(cache_lskh.dtype), mode="drop")
+        # The scatter names the rows as a batch dimension (row b's slots index row b), so on a mesh each data shard
+        # writes its own rows without gathering the others' new keys and values, and nothing is transposed.
+        numbers = jax.lax.ScatterDimensionNumbers(
+            update_window_dims=(0, 3, 4),  # [L, B, T, K, H] updates: L, K and H are written whole
+            inserted_window_dims=(2,),  # one slot per update
+            scatter_dims_to_operand_dims=(2,),
+            operand_batching_dims=(1,),
+            scatter_indices_batching_dims=(0,),
+        )
 
-            return jax.vmap(write_row, in_axes=(1, 1, 0), out_axes=1)(cache_lbskh, new_lbtkh, slots_bt)
+        def write(cache_lbskh, new_lbtkh):
+            return jax.lax.scatter(
+                cache_lbskh, slots_bt[..., None], new_lbtkh.astype(cache_lbskh.dtype), numbers,
+                mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+            )  # fmt: skip
 
-        return dataclasses.replace(self, k=write_rows(self.k, k_new), v=write_rows(self.v, v_new))
+        return dataclasses.replace(self, k=write(self.k, k_new), v=write(self.v, v_new))
 
     def at_lengths(self, lengths_b: jax.Array) -> KVCache:
         """The same buffers with `lengths_b` committed slots per row: moving lengths back is rolling back."""

@@ -37,7 +37,7 @@ from specjax.decoding.stats import acceptance
 from specjax.drafters.registry import draft_folder
 from specjax.errors import InputError, OutputError, SpecjaxError
 from specjax.evalsets import chat_prompts, humaneval_prompts
-from specjax.host import write_file
+from specjax.host import start_distributed, write_file
 from specjax.io.jsonl import read_prompts_file
 from specjax.io.loading import LoadedModel, load_model
 from specjax.sharding import make_mesh
@@ -65,15 +65,6 @@ RESUMABLE_TRAINING_KEYS = (
     "features_dir",
 )  # fmt: skip
 _TRAIN_SECTIONS = ("training", "mesh", *(kind.section for kind in DRAFT_KINDS.values() if kind.section))
-
-
-def maybe_initialize_distributed(cfg: TrainConfig) -> None:
-    """Multi-host: jax.distributed.initialize from the config, or from the environment when it names a coordinator."""
-    d = cfg.distributed
-    if d.coordinator is not None:
-        jax.distributed.initialize(d.coordinator, d.num_processes, d.process_id)
-    elif os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize()
 
 
 def check_record(cfg: TrainConfig) -> None:
@@ -369,7 +360,7 @@ def run(cfg: TrainConfig, stages: list[str]) -> None:
     if unknown:
         raise InputError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)} or all")
     refuse_links_inside(cfg.output_path)
-    maybe_initialize_distributed(cfg)
+    start_distributed(cfg.distributed.coordinator, cfg.distributed.num_processes, cfg.distributed.process_id)
     model = load_model(cfg.model.target)
     validate(cfg, model, stages)
     with exclusive_output_dir(cfg.output_path) if jax.process_index() == 0 else contextlib.nullcontext():
