@@ -78,6 +78,17 @@ def mesh_for(choice: MeshChoice, num_kv_heads: int) -> Mesh | None:
     return mesh if mesh.size > 1 else None
 
 
+def larger_meshes(used: int, devices: int) -> list[dict[str, int]]:
+    """Meshes over more than `used` of `devices` devices, fewest devices first, the most tensor-parallel first
+    among the same number: where to look when a run does not fit."""
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    return [
+        {"data": d // t, "tensor": t}
+        for d in divisors if d > used
+        for t in reversed([t for t in divisors if d % t == 0])
+    ]  # fmt: skip
+
+
 def parse_mesh(text: str) -> dict[str, int]:
     """'data=2,tensor=4' -> {"data": 2, "tensor": 4}; an axis left out has size 1, one size may be -1 (the rest).
     Raises InputError."""

@@ -21,6 +21,7 @@ from specjax.measure import memory as plan
 from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
 from specjax.models.llama import init_weights
 from specjax.sampling import Sampling
+from specjax.sharding import larger_meshes
 
 
 def random_head(cfg: ModelConfig) -> Eagle3Head:
@@ -86,6 +87,20 @@ def test_check_fits_names_the_largest_batch():
         plan.check_fits(plan_at, 16, available)
     with pytest.raises(InputError, match="not even one row fits"):
         plan.check_fits(plan_at, 2, plan_at(1).total - 1)
+
+
+def test_a_run_that_does_not_fit_names_the_smallest_mesh_that_does():
+    cfg = ModelConfig("llama", 256, 64, 128, 2, 4, 2, 16)
+
+    def plan_at(batch, mesh=None):
+        return plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=10, max_new_tokens=64, mesh=mesh)
+
+    assert larger_meshes(1, 8)[:4] == [{"data": 1, "tensor": 2}, {"data": 2, "tensor": 1}, {"data": 1, "tensor": 4},
+                                       {"data": 2, "tensor": 2}]  # fmt: skip
+    available = plan_at(4, {"data": 1, "tensor": 4}).total
+    assert plan_at(4, {"data": 2, "tensor": 1}).total > available  # so the tensor=4 mesh is the first that fits
+    with pytest.raises(InputError, match=r"a batch of \d would fit, or --mesh data=1,tensor=4 \(4 devices\) would$"):
+        plan.check_fits(plan_at, 4, available, larger_meshes(1, 8))
 
 
 @pytest.mark.parametrize("main", [generate_cli.entry, bench.entry])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from specjax.config import INT32_END, SamplingConfig
@@ -19,7 +21,7 @@ from specjax.io.loading import load_model
 from specjax.io.tokenizer import Tokenizer
 from specjax.measure.calibration import CALIBRATION_DRAFT_TOKENS
 from specjax.measure.memory import MemoryPlan, check_fits, device_memory, memory_plan
-from specjax.sharding import mesh_of, parse_mesh
+from specjax.sharding import larger_meshes, mesh_of, parse_mesh
 
 RawDescription = argparse.RawDescriptionHelpFormatter
 DEFAULT_DRAFT_TOKENS = 5  # K, drafts per round, of specjax-generate and specjax-bench when none is given
@@ -233,18 +235,18 @@ def menu_costs(adaptive) -> str:
 
 
 def memory_plan_at(model, drafter, num_draft_tokens: int | str, prompt_len: int, max_new_tokens: int):
-    """The run's memory plan (`specjax.measure.memory`) as a function of its rows; `num_draft_tokens` 'auto' plans
-    for the largest draft adaptive drafting compiles."""
+    """The run's memory plan (`specjax.measure.memory`) as a function of its rows (and of a mesh's axis sizes, the
+    model's own by default); `num_draft_tokens` 'auto' plans for the largest draft adaptive drafting compiles."""
     shape = None
     on = mesh_of(model.weights)
     mesh = dict(on.shape) if on is not None else None
     if drafter is not None:
         shape = drafter.draft_shape(auto_max_drafts(drafter) if num_draft_tokens == "auto" else num_draft_tokens)
 
-    def plan_at(rows: int) -> MemoryPlan:
+    def plan_at(rows: int, on_mesh: dict[str, int] | None = mesh) -> MemoryPlan:
         return memory_plan(
             model.cfg, model.weights.embed.dtype, batch=rows, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-            drafter=drafter, draft_shape=shape, target_weights=model.weights, mesh=mesh,
+            drafter=drafter, draft_shape=shape, target_weights=model.weights, mesh=on_mesh,
         )  # fmt: skip
 
     return plan_at
@@ -252,5 +254,6 @@ def memory_plan_at(model, drafter, num_draft_tokens: int | str, prompt_len: int,
 
 def check_memory(plan_at, rows: int) -> None:
     """Refuses, before anything compiles, a run whose plan exceeds the device's memory (InputError naming the
-    largest batch that fits)."""
-    check_fits(plan_at, rows, device_memory())
+    largest batch that fits, and the smallest larger mesh of the devices there are that does)."""
+    used = math.prod(n for _, n in plan_at(rows).mesh)  # the devices the model is on now
+    check_fits(plan_at, rows, device_memory(), larger_meshes(used, len(jax.devices())))

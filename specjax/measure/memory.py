@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -218,9 +218,11 @@ def device_memory() -> int:
     return kib * 1024
 
 
-def check_fits(plan_at: Callable[[int], MemoryPlan], batch: int, available: int) -> MemoryPlan:
-    """The plan at `batch` rows; raises InputError, naming the largest batch that would fit, when it exceeds
-    `available` bytes."""
+def check_fits(
+    plan_at: Callable[..., MemoryPlan], batch: int, available: int, meshes: Sequence[Mapping[str, int]] = ()
+) -> MemoryPlan:
+    """The plan at `batch` rows; raises InputError when it exceeds `available` bytes, naming the largest batch that
+    would fit and the first of `meshes` (larger ones, in order; `plan_at(batch, mesh)` plans on one) that would."""
     plan = plan_at(batch)
     if plan.total <= available:
         return plan
@@ -228,9 +230,15 @@ def check_fits(plan_at: Callable[[int], MemoryPlan], batch: int, available: int)
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if plan_at(mid).total <= available else (low, mid)
-    advice = f"a batch of {low} would fit" if low else "not even one row fits: lower --max-new-tokens"
+    advice = [f"a batch of {low} would fit"] if low else []
+    mesh = next((m for m in meshes if plan_at(batch, m).total <= available), None)
+    if mesh is not None:
+        advice.append(
+            f"--mesh {','.join(f'{a}={n}' for a, n in mesh.items())} ({math.prod(mesh.values())} devices) would"
+        )
     raise InputError(
         f"this run needs {plan.total / GIB:.2f} GiB (weights {plan.weights / GIB:.2f}, KV cache "
         f"{plan.kv_cache / GIB:.2f}, drafter {plan.drafter / GIB:.2f}, activations {plan.activations / GIB:.2f}) but "
-        f"the device holds {available / GIB:.2f} GiB; {advice}"
+        f"the device holds {available / GIB:.2f} GiB; "
+        + (", or ".join(advice) if advice else "not even one row fits: lower --max-new-tokens")
     )
