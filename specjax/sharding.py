@@ -12,6 +12,7 @@ decoding loops enter the mesh of the weights they are given); with no mesh set i
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -132,16 +133,9 @@ def named_sharding(axes, shape, mesh: Mesh, rules=DEFAULT_RULES) -> NamedShardin
 def shard_fraction(axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int]) -> int:
     """How many ways an array with these logical axes is split on a mesh of `mesh_shape` (its bytes per device are
     its bytes over this)."""
-    spec = partition_spec(axes, shape, _Shape(mesh_shape))
+    spec = partition_spec(axes, shape, types.SimpleNamespace(shape=dict(mesh_shape)))  # the sizes alone suffice
     names = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
     return math.prod(mesh_shape[a] for a in names)
-
-
-class _Shape:
-    """A mesh's axis sizes alone: what `partition_spec` reads, for plans made without devices."""
-
-    def __init__(self, shape: Mapping[str, int]):
-        self.shape = dict(shape)
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None], rules=DEFAULT_RULES) -> jax.Array:

@@ -37,17 +37,31 @@ def hf_smollm2():
 
 
 @pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory, smollm2):
-    """A tiny random llama HF folder with SmolLM2's tokenizer and a 96-token maximum length."""
+def save_tiny_llama(smollm2):
+    """save(folder, num_layers): writes a tiny random llama HF folder (16 wide, 2 heads over 1 KV head, at most 96
+    tokens, EOS 2) with SmolLM2's tokenizer, and returns its config."""
     import jax
 
     from specjax.config import ModelConfig
     from specjax.io.hf import save_hf
     from specjax.models.llama import init_weights
 
-    folder = tmp_path_factory.mktemp("tiny")
     tokenizer = smollm2.tokenizer
-    cfg = ModelConfig("llama", tokenizer.vocab_size, 16, 32, 2, 2, 1, 8, max_position_embeddings=96, eos_token_ids=(2,))
-    save_hf(folder, cfg, init_weights(cfg, jax.random.key(0)))
-    tokenizer.to_folder(folder)
+
+    def save(folder, num_layers: int):
+        cfg = ModelConfig(
+            "llama", tokenizer.vocab_size, 16, 32, num_layers, 2, 1, 8, max_position_embeddings=96, eos_token_ids=(2,)
+        )
+        save_hf(folder, cfg, init_weights(cfg, jax.random.key(0)))
+        tokenizer.to_folder(folder)
+        return cfg
+
+    return save
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, save_tiny_llama):
+    """A tiny random 2-layer llama HF folder (`save_tiny_llama`)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    save_tiny_llama(folder, 2)
     return folder

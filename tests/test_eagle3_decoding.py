@@ -367,18 +367,13 @@ def test_head_for_another_target_is_refused():
 
 
 @pytest.fixture(scope="module")
-def cli_target(tmp_path_factory, smollm2):
+def cli_target(tmp_path_factory, save_tiny_llama):
     """A tiny random 4-layer llama with SmolLM2's tokenizer, and a random head saved for it (and one for another
     target, and a corrupt one)."""
     from specjax.io.eagle3_checkpoint import save_eagle3
-    from specjax.io.hf import save_hf
 
     root = tmp_path_factory.mktemp("eagle3_cli")
-    cfg = ModelConfig(
-        "llama", smollm2.tokenizer.vocab_size, 16, 32, 4, 2, 1, 8, max_position_embeddings=96, eos_token_ids=(2,)
-    )
-    save_hf(root / "target", cfg, init_weights(cfg, jax.random.key(0)))
-    smollm2.tokenizer.to_folder(root / "target")
+    cfg = save_tiny_llama(root / "target", 4)
     head_cfg = Eagle3Config.default_for(cfg, draft_vocab_size=256)
     save_eagle3(root / "head", head_cfg, Eagle3Head(head_cfg, rngs=nnx.Rngs(0)), dtype=np.float32)
     other_cfg = Eagle3Config.default_for(dataclasses.replace(cfg, hidden_size=32, num_heads=4), draft_vocab_size=256)

@@ -15,29 +15,23 @@ import pytest
 from flax import nnx
 
 from specjax.cli.generate import entry
-from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
 from specjax.io.dflash_checkpoint import load_dflash, save_dflash
 from specjax.io.eagle3_checkpoint import load_eagle3, save_eagle3
 from specjax.io.gguf import read_gguf
-from specjax.io.hf import load_hf, save_hf
+from specjax.io.hf import load_hf
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.dflash import DFlashConfig, init_dflash
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
-from specjax.models.llama import init_weights
 
 DROP = object()  # a config override that removes the key
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory, smollm2):
+def target(tmp_path_factory, save_tiny_llama):
     """(folder, config) of a tiny random 4-layer llama with SmolLM2's tokenizer."""
     folder = tmp_path_factory.mktemp("target")
-    tokenizer = smollm2.tokenizer
-    cfg = ModelConfig("llama", tokenizer.vocab_size, 16, 32, 4, 2, 1, 8, max_position_embeddings=96, eos_token_ids=(2,))
-    save_hf(folder, cfg, init_weights(cfg, jax.random.key(0)))
-    tokenizer.to_folder(folder)
-    return folder, cfg
+    return folder, save_tiny_llama(folder, 4)
 
 
 @pytest.fixture(scope="module")

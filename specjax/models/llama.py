@@ -151,25 +151,6 @@ def hf_fetcher(
     return fetch
 
 
-# The LayerWeights field each HF tensor of a layer becomes.
-FIELD_OF_SUFFIX = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "q",
-    "self_attn.k_proj.weight": "k",
-    "self_attn.v_proj.weight": "v",
-    "self_attn.o_proj.weight": "o",
-    "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "gate",
-    "mlp.up_proj.weight": "up",
-    "mlp.down_proj.weight": "down",
-    "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
-    "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
-}
-
-
 def layers_from_hf(
     cfg: ModelConfig,
     fetch: Callable[[str, tuple[int, ...]], np.ndarray],
@@ -181,30 +162,37 @@ def layers_from_hf(
     time)."""
     D, N, K, H, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
 
-    def stack(suffix: str, shape: tuple[int, ...], to_jax: Callable[[np.ndarray], np.ndarray]):
-        field = FIELD_OF_SUFFIX[suffix]
-        return place(field, np.stack([to_jax(fetch(f"{prefix}{i}.{suffix}", shape)) for i in range(cfg.num_layers)]))
-
     def proj_in(heads):  # [heads*H, D] -> [D, heads, H]
         return lambda w: w.T.reshape(D, heads, H)
 
-    bias, norm = cfg.attention_bias, cfg.qk_norm
-    return LayerWeights(
-        attn_norm=stack("input_layernorm.weight", (D,), lambda w: w),
-        q=stack("self_attn.q_proj.weight", (N * H, D), proj_in(N)),
-        k=stack("self_attn.k_proj.weight", (K * H, D), proj_in(K)),
-        v=stack("self_attn.v_proj.weight", (K * H, D), proj_in(K)),
-        o=stack("self_attn.o_proj.weight", (D, N * H), lambda w: w.T.reshape(N, H, D)),
-        mlp_norm=stack("post_attention_layernorm.weight", (D,), lambda w: w),
-        gate=stack("mlp.gate_proj.weight", (F, D), lambda w: w.T),
-        up=stack("mlp.up_proj.weight", (F, D), lambda w: w.T),
-        down=stack("mlp.down_proj.weight", (D, F), lambda w: w.T),
-        q_bias=stack("self_attn.q_proj.bias", (N * H,), lambda b: b.reshape(N, H)) if bias else None,
-        k_bias=stack("self_attn.k_proj.bias", (K * H,), lambda b: b.reshape(K, H)) if bias else None,
-        v_bias=stack("self_attn.v_proj.bias", (K * H,), lambda b: b.reshape(K, H)) if bias else None,
-        q_norm=stack("self_attn.q_norm.weight", (H,), lambda w: w) if norm else None,
-        k_norm=stack("self_attn.k_norm.weight", (H,), lambda w: w) if norm else None,
-    )
+    def same(w):
+        return w
+
+    # LayerWeights field: (HF tensor of each layer, its shape, to the JAX layout)
+    fields = {
+        "attn_norm": ("input_layernorm.weight", (D,), same),
+        "q": ("self_attn.q_proj.weight", (N * H, D), proj_in(N)),
+        "k": ("self_attn.k_proj.weight", (K * H, D), proj_in(K)),
+        "v": ("self_attn.v_proj.weight", (K * H, D), proj_in(K)),
+        "o": ("self_attn.o_proj.weight", (D, N * H), lambda w: w.T.reshape(N, H, D)),
+        "mlp_norm": ("post_attention_layernorm.weight", (D,), same),
+        "gate": ("mlp.gate_proj.weight", (F, D), lambda w: w.T),
+        "up": ("mlp.up_proj.weight", (F, D), lambda w: w.T),
+        "down": ("mlp.down_proj.weight", (D, F), lambda w: w.T),
+    }
+    if cfg.attention_bias:
+        fields["q_bias"] = ("self_attn.q_proj.bias", (N * H,), lambda b: b.reshape(N, H))
+        fields["k_bias"] = ("self_attn.k_proj.bias", (K * H,), lambda b: b.reshape(K, H))
+        fields["v_bias"] = ("self_attn.v_proj.bias", (K * H,), lambda b: b.reshape(K, H))
+    if cfg.qk_norm:
+        fields["q_norm"] = ("self_attn.q_norm.weight", (H,), same)
+        fields["k_norm"] = ("self_attn.k_norm.weight", (H,), same)
+
+    def stacked(field: str) -> jax.Array | np.ndarray:
+        suffix, shape, to_jax = fields[field]
+        return place(field, np.stack([to_jax(fetch(f"{prefix}{i}.{suffix}", shape)) for i in range(cfg.num_layers)]))
+
+    return LayerWeights(**{field: stacked(field) for field in fields})
 
 
 def weights_from_hf(
