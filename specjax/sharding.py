@@ -130,6 +130,15 @@ def named_sharding(axes, shape, mesh: Mesh, rules=DEFAULT_RULES) -> NamedShardin
     return NamedSharding(mesh, partition_spec(axes, shape, mesh, rules))
 
 
+def place(arrays, specs, mesh: Mesh, rules=DEFAULT_RULES):
+    """`arrays` on `mesh`, each split by the logical axes of its spec: `specs` is a tree of `arrays`' structure whose
+    leaves have `.axes` and `.shape` (e.g. `specjax.models.llama.weight_specs`)."""
+    return jax.tree.map(
+        lambda s, x: jax.device_put(x, named_sharding(s.axes, s.shape, mesh, rules)), specs, arrays,
+        is_leaf=lambda s: hasattr(s, "axes"),
+    )  # fmt: skip
+
+
 def shard_fraction(axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int]) -> int:
     """How many ways an array with these logical axes is split on a mesh of `mesh_shape` (its bytes per device are
     its bytes over this)."""
@@ -152,6 +161,22 @@ def set_rows(x: jax.Array, index: jax.Array, values, mode: str = "drop") -> jax.
     nothing. `index` is [B] or [B, T]; `values` broadcasts to it (and x's trailing dimensions)."""
     values = jnp.broadcast_to(jnp.asarray(values, x.dtype), index.shape + x.shape[2:])
     return jax.vmap(lambda row, i, v: row.at[i].set(v, mode=mode))(x, index, values)
+
+
+def get_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """`x[b, index[b]]` for every row b, read row by row (vmap), as `set_rows` writes: each data shard reads its own
+    rows. `index` is [B] or [B, ...]."""
+    return jax.vmap(lambda row, i: row[i])(x, index)
+
+
+def top_k_rows(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis, each data shard ranking its own rows (axis 0, "batch"): XLA's top-k
+    partitioner would otherwise gather every row onto every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rows = None if mesh.empty or mesh.size == 1 else partition_spec(("batch",), x.shape[:1], mesh)
+    if rows is None or rows[0] is None:
+        return jax.lax.top_k(x, k)
+    return jax.shard_map(lambda block: jax.lax.top_k(block, k), in_specs=rows, out_specs=rows)(x)
 
 
 def mesh_of(tree) -> Mesh | None:

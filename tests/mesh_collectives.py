@@ -1,6 +1,7 @@
 """Run as a script with 8 fake CPU devices: the collectives XLA inserts into the compiled decode programs at
 data=2,tensor=4, as JSON: for the plain decode loop, an EAGLE-3 chain loop and an EAGLE-3 tree loop, each collective's
-kind, result shape and the operation it came from. Argument: a work folder."""
+kind, result shape and the operation it came from; and how the head's weights are placed (each one's shape and its
+shape on one device). Argument: a work folder."""
 
 import os
 import sys
@@ -19,6 +20,7 @@ from specjax.decoding.autoregressive import generate
 from specjax.drafters import drafter_from_spec
 from specjax.drafters.tree import TreeSpec
 from specjax.io.loading import load_model
+from specjax.models.eagle3 import param_specs
 
 COLLECTIVE = re.compile(
     r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(.*?"
@@ -45,14 +47,21 @@ def main(root: Path) -> None:
     tree = drafter_from_spec(eagle3, model.weights, model.cfg, tree=TreeSpec.parse("3,2,6"))
     found = {
         "plain": collectives(lambda: generate(model.weights, model.cfg, prompts, **kw)),
-        "eagle3 chain": collectives(
+        "chain": collectives(
             lambda: speculative.generate(model.weights, model.cfg, prompts, drafter=chain, num_draft_tokens=3, **kw)
         ),
-        "eagle3 tree": collectives(
+        "tree": collectives(
             lambda: speculative.generate(model.weights, model.cfg, prompts, drafter=tree, num_draft_tokens=3, **kw)
         ),
     }
-    print(json.dumps(found))
+    head = chain.head
+    placed = {name: getattr(head, name)[...] for name in param_specs(head.cfg)}
+    placed["drafted_embed"] = chain.drafted_embed
+    print(
+        json.dumps(
+            found | {"head placement": {n: [x.shape, x.sharding.shard_shape(x.shape)] for n, x in placed.items()}}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -53,25 +54,45 @@ def category(collective: dict) -> tuple[str, str]:
     return collective["kind"], collective["op"].removesuffix("/dot_general").rpartition("/")[2]
 
 
+# The test head (width 64, 8 heads over 4 KV heads of 8, MLP 128, 512 draft tokens, 3 taps) at tensor=4: heads, KV
+# heads, MLP columns and the draft vocabulary split four ways; fc, the norms and the drafted tokens' embedding whole.
+HEAD_PLACEMENT = {
+    "fc": [[192, 64], [192, 64]],
+    **{norm: [[64], [64]] for norm in ("input_norm", "hidden_norm", "mlp_norm", "final_norm")},
+    "q": [[128, 8, 8], [128, 2, 8]],
+    "k": [[128, 4, 8], [128, 1, 8]],
+    "v": [[128, 4, 8], [128, 1, 8]],
+    "o": [[8, 8, 64], [2, 8, 64]],
+    "gate": [[64, 128], [64, 32]],
+    "up": [[64, 128], [64, 32]],
+    "down": [[128, 64], [32, 64]],
+    "lm_head": [[64, 512], [64, 128]],
+    "drafted_embed": [[512, 64], [512, 64]],
+}
+
+
 def test_decode_programs_hold_only_the_collectives_tensor_parallelism_needs(tmp_path):
     found = json.loads(run_script("mesh_collectives.py", tmp_path).splitlines()[-1])
-    out_proj, mlp_down = "btnh,nhd->btd", "btf,fd->btd"
-    for program, collectives in found.items():
-        # Inside the layer scans: only the reduction after attention and the one after the MLP, the latter once per
-        # target forward (the prefill and the step or verification). The EAGLE-3 head's step may add its own
-        # reduction after attention (the head is not placed by rules of its own yet).
-        in_layers = [category(c) for c in collectives if "closed_call/" in c["op"] and "dot_general" in c["op"]]
-        assert set(in_layers) == {("all-reduce", out_proj), ("all-reduce", mlp_down)}, (program, in_layers)
-        assert in_layers.count(("all-reduce", mlp_down)) == 2, (program, in_layers)
-        # The cache is written shard by shard: no collective serves a cache write.
-        assert not [c for c in collectives if c["op"].endswith("scatter")], (program, collectives)
-    plain = sorted("{}:{}".format(*category(c)) for c in found["plain"])
-    # Per layer of the prefill and of a step: the two reductions; the embedding lookup of the vocabulary-split
-    # table: one reduction per forward; the argmax over the vocabulary-split logits: values and ids from each
-    # tensor shard, per forward; the loop's "all rows done" over the data axis.
-    expected = [f"all-reduce:{out_proj}", f"all-reduce:{mlp_down}"] * 2 + ["all-reduce:gather"] * 2
-    expected += ["all-gather:reduce"] * 4 + ["all-reduce:reduce_and"]
-    assert plain == sorted(expected), plain
+    programs = {name: sorted("{}:{}".format(*category(c)) for c in found[name]) for name in ("plain", "chain", "tree")}
+    out_proj, mlp_down = "all-reduce:btnh,nhd->btd", "all-reduce:btf,fd->btd"
+    # A target forward (the prefill; a step or a verification): in the layer scan one reduction after attention and
+    # one after the MLP; one for the embedding lookup of the vocabulary-split table; the argmax over the
+    # vocabulary-split logits, values and ids from each tensor shard. The loop's "all rows done" over the data axis.
+    # The cache is written and read shard by shard: no other collective.
+    forward = [out_proj, mlp_down, "all-reduce:gather", "all-gather:reduce", "all-gather:reduce"]
+    assert programs["plain"] == sorted(forward * 2 + ["all-reduce:reduce_and"])
+    # The speculative loop adds the acceptance histogram over the data axis, and the head split by its own rules: its
+    # commit's embedding lookup (after the prefill and each verification) and, per pass of its layer (the root, then
+    # the chain's scanned step or each tree level), the two reductions and the draft logits' gather (the chain's
+    # argmax values and ids, a tree level's logits for top-k). No draft step looks up the vocabulary-split embedding.
+    speculative = sorted(forward * 2 + ["all-reduce:reduce_and", "all-reduce:reduce_sum"] + ["all-reduce:gather"] * 2)
+    assert programs["chain"] == sorted(speculative + [out_proj, mlp_down, "all-gather:reduce", "all-gather:reduce"] * 2)
+    assert programs["tree"] == sorted(speculative + [out_proj, mlp_down, "all-gather:sharding_constraint"] * 3)
+    # Each moves one data shard's own rows (2 of the 4) of activations or logits, never a weight or another shard's
+    # rows; besides, "all rows done" and the histogram.
+    moved = [c["shape"] for name in programs for c in found[name]]
+    assert all(re.match(r"\w+\[2,", shape) or shape in ("pred[]", "s32[4]{0}") for shape in moved), moved
+    assert found["head placement"] == HEAD_PLACEMENT
 
 
 def test_mesh_flags_and_defaults():

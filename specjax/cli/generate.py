@@ -17,6 +17,7 @@ from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.host import status
 from specjax.io.loading import load_model
+from specjax.sharding import mesh_of
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -55,11 +56,6 @@ def parser() -> cli.ArgumentParser:
     return p
 
 
-def _load_draft(path: str):
-    draft = load_model(path)
-    return draft.cfg, draft.weights
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     sampling = cli.sampling_from_args(args)
@@ -71,7 +67,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     tree = TreeSpec.parse(args.tree) if args.tree is not None else None
     model = cli.load_target(args)
     tok = model.tokenizer
-    drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=_load_draft, tree=tree)
+
+    def load_draft(path: str):  # beside the target: its dtype, its mesh
+        draft = load_model(path, model.weights.embed.dtype, mesh_of(model.weights))
+        return draft.cfg, draft.weights
+
+    drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=load_draft, tree=tree)
     prompt_ids = cli.encode_prompts(tok, prompts, args.raw)
     eos = model.eos_ids
     samples = args.num_samples

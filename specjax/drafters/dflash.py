@@ -27,9 +27,11 @@ from specjax.models.dflash import (
     context_kv,
     draft_logits,
     scored_head,
+    weight_specs_of,
 )
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import head_rows
+from specjax.sharding import mesh_of, place
 
 
 @jax.tree_util.register_dataclass
@@ -90,8 +92,14 @@ class DFlashDrafter(ChainDrafter):
 
 
 def load_dflash_drafter(path: str, target_cfg: ModelConfig, target_weights: Any) -> DFlashDrafter:
-    """Loads a DFlash draft folder (config.json + safetensors) for this target. Raises CheckpointError / InputError."""
+    """Loads a DFlash draft folder (config.json + safetensors) for this target, split by its logical axes over the
+    target's mesh where it has one. Raises CheckpointError / InputError."""
     from specjax.io.dflash_checkpoint import load_dflash
 
     cfg, weights = load_dflash(path, target_cfg, dtype=target_weights.embed.dtype)  # checks it serves this target
+    if (mesh := mesh_of(target_weights)) is not None:  # by the draft's own logical axes, beside the target
+        vocab_ids = weights.vocab_ids
+        weights = dataclasses.replace(
+            place(dataclasses.replace(weights, vocab_ids=None), weight_specs_of(cfg), mesh), vocab_ids=vocab_ids
+        )
     return DFlashDrafter.for_target(weights, cfg, target_weights)

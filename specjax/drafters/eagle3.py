@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from specjax.config import ModelConfig
 from specjax.drafters.base import ChainDrafter, Traits, draw, pending_tokens, static_field
@@ -27,7 +28,7 @@ from specjax.errors import InputError
 from specjax.models.eagle3 import Eagle3Head
 from specjax.models.kv_cache import KVCache
 from specjax.sampling import Sampling
-from specjax.sharding import set_rows
+from specjax.sharding import constrain, get_rows, mesh_of, set_rows
 
 
 @jax.tree_util.register_dataclass
@@ -47,19 +48,33 @@ class Eagle3Drafter(ChainDrafter):
       head: an `Eagle3Head` made for this target.
       target_embed: the target's embedding [V, D] (used when the head shares it).
       tree: None for chain drafting (K = num_draft_tokens), else a `TreeSpec`.
+
+    Where the embedding table the head reads is split over a mesh's vocabulary axis, looking a token up in it takes a
+    reduction across the split. Drafted tokens are always in the draft vocabulary, so the drafter keeps those Vd rows
+    replicated (`drafted_embed`, with `draft_ids` mapping target ids to them) and its draft steps look up locally;
+    only `commit`, once a round, reads the whole table.
     """
 
     params: Any  # nnx.State of the head
     target_embed: jax.Array | None
     graphdef: Any = static_field()
     tree: TreeSpec | None = static_field(None)
+    drafted_embed: jax.Array | None = None  # [Vd, D] replicated rows of the draft vocabulary, on a vocab-split mesh
+    draft_ids: jax.Array | None = None  # int32 [V]: the draft id of each target id in the draft vocabulary
 
     @classmethod
     def create(cls, head: Eagle3Head, target_embed: jax.Array | None, tree: TreeSpec | None = None) -> Eagle3Drafter:
         graphdef, params = nnx.split(head)
         if tree is not None:
             tree.validate(head.cfg.draft_vocab_size)
-        return cls(params, None if head.embed is not None else target_embed, graphdef, tree)
+        table = target_embed if head.embed is None else head.embed[...]
+        sharding = getattr(table, "sharding", None)
+        if not (isinstance(sharding, NamedSharding) and sharding.spec and sharding.spec[0] is not None):
+            return cls(params, None if head.embed is not None else target_embed, graphdef, tree)
+        whole = NamedSharding(sharding.mesh, PartitionSpec())
+        drafted = jax.device_put(table[head.target_ids_of_draft_vocab()], whole)
+        ids = jax.device_put(jnp.maximum(jnp.cumsum(head.t2d[...], dtype=jnp.int32) - 1, 0), whole)
+        return cls(params, None if head.embed is not None else target_embed, graphdef, tree, drafted, ids)
 
     @property
     def head(self) -> Eagle3Head:
@@ -92,6 +107,12 @@ class Eagle3Drafter(ChainDrafter):
         if self.tree is not None:
             self.tree.validate(cfg.draft_vocab_size)
 
+    def embed_drafted(self, head: Eagle3Head, ids_bt: jax.Array) -> jax.Array:
+        """Embeddings of drafted tokens (all in the draft vocabulary): local rows on a vocab-split mesh."""
+        if self.drafted_embed is None:
+            return head.embed_tokens(ids_bt, self.target_embed)
+        return self.drafted_embed[self.draft_ids[ids_bt]].astype(head.dtype)
+
     def draft_shape(self, num_draft_tokens: int) -> TreeSpec:
         """The head's tree, else a chain of K."""
         return self.tree or TreeSpec.chain(num_draft_tokens)
@@ -102,8 +123,8 @@ class Eagle3Drafter(ChainDrafter):
         B = tokens_bp.shape[0]
         return Eagle3State(
             head.empty_cache(B, num_slots),
-            jnp.zeros((B, cfg.num_heads, cfg.head_dim), head.dtype),
-            jnp.zeros((B, cfg.hidden_size), head.dtype),
+            constrain(jnp.zeros((B, cfg.num_heads, cfg.head_dim), head.dtype), ("batch", "heads", "head_dim")),
+            constrain(jnp.zeros((B, cfg.hidden_size), head.dtype), ("batch", "embed")),
         )
 
     def commit(self, state: Eagle3State, next_tokens_bt, taps_btf, count_b) -> Eagle3State:
@@ -130,8 +151,7 @@ class Eagle3Drafter(ChainDrafter):
         cache = state.cache
         B, S = state.q_bnh.shape[0], cache.num_slots
         last = cache.lengths - 1
-        rows = jnp.arange(B)
-        k_last, v_last = (x[0, rows, last][:, None].astype(state.q_bnh.dtype) for x in (cache.k, cache.v))
+        k_last, v_last = (get_rows(x[0], last)[:, None].astype(state.q_bnh.dtype) for x in (cache.k, cache.v))
         logits, g = self.head.attend_and_read(
             state.q_bnh[:, None], state.g_bd[:, None], cache, k_last, v_last,
             jnp.arange(S)[None, None, :] < last[:, None, None], jnp.ones((B, 1, 1), bool),
@@ -153,7 +173,7 @@ class Eagle3Drafter(ChainDrafter):
         def step(carry, xs):
             token, g, cache = carry
             i, k = xs
-            embed = head.embed_tokens(token[:, None], self.target_embed)
+            embed = self.embed_drafted(head, token[:, None])
             cache = cache.at_lengths(c + i)
             logits, out, cache = head.step(embed, g[:, None], (c + i)[:, None], cache)
             nxt, probs = _draw(head, k, logits[:, 0], sampling)
@@ -191,7 +211,7 @@ class Eagle3Drafter(ChainDrafter):
             parents = jnp.take_along_axis(tree.parents, nodes_bf, axis=1)
             g = jnp.take_along_axis(node_out, parents[..., None], axis=1)
             positions = c[:, None] - 1 + jnp.take_along_axis(tree.depths, nodes_bf, axis=1)
-            q, k, v = head.qkv(head.embed_tokens(toks, self.target_embed), g, positions)
+            q, k, v = head.qkv(self.embed_drafted(head, toks), g, positions)
             anc = jnp.take_along_axis(tree.ancestors, nodes_bf[..., None], axis=1)  # [B, f, M]
             tree_idx = slots - c[:, None, None] + 1  # node whose KV a slot holds
             in_tree = (tree_idx >= 1) & (tree_idx < M) & (tree_idx != nodes_bf[..., None])
@@ -220,11 +240,13 @@ def _draw(head: Eagle3Head, key: jax.Array, logits_bv: jax.Array, sampling: Samp
 def load_eagle3_drafter(
     path: str, target_cfg: ModelConfig, target_embed: jax.Array, tree: TreeSpec | None = None
 ) -> Eagle3Drafter:
-    """Loads a published-format EAGLE-3 head folder (config.json + safetensors) for this target. Raises
-    CheckpointError / InputError."""
+    """Loads a published-format EAGLE-3 head folder (config.json + safetensors) for this target, placed on the mesh of
+    the target's embedding where it has one (`Eagle3Head.place`). Raises CheckpointError / InputError."""
     from specjax.io.eagle3_checkpoint import load_eagle3
 
     _, head = load_eagle3(path, target_cfg, dtype=target_embed.dtype)
+    if (mesh := mesh_of(target_embed)) is not None:
+        head.place(mesh)
     drafter = Eagle3Drafter.create(head, target_embed, tree)
     drafter.validate(target_cfg, 1)
     return drafter

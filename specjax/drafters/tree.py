@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from specjax.errors import InputError
 from specjax.sampling import Sampling, probabilities, process_logits
-from specjax.sharding import set_rows
+from specjax.sharding import constrain, get_rows, set_rows, top_k_rows
 
 MAX_DRAFT_TOKENS = 32  # the deepest draft a round verifies: a chain's K, a tree's depth
 MAX_TREE_NODES = 64  # a tree's budget (root included): one verification forward over this many tokens
@@ -167,11 +167,11 @@ def draw_children(
     """
     if sampling.greedy:
         logp = jax.nn.log_softmax(logits_nv.astype(jnp.float32), axis=-1)
-        top, idx = jax.lax.top_k(logp, k)
+        top, idx = top_k_rows(logp, k)
         return idx.astype(jnp.int32), top, top > -jnp.inf, probabilities(logits_nv, sampling)
     logp = jax.nn.log_softmax(process_logits(logits_nv, sampling), axis=-1)
     gumbel = jax.random.gumbel(key, logp.shape, jnp.float32)
-    _, idx = jax.lax.top_k(jnp.where(logp > -jnp.inf, logp + gumbel, -jnp.inf), k)
+    _, idx = top_k_rows(jnp.where(logp > -jnp.inf, logp + gumbel, -jnp.inf), k)
     lp = jnp.take_along_axis(logp, idx, axis=-1)
     return idx.astype(jnp.int32), lp, lp > -jnp.inf, jnp.exp(logp)
 
@@ -226,6 +226,7 @@ def grow_tree(
 
     def attach(tree, count_b, key, nodes_bf, ok_bf, logits_bfv):
         f = nodes_bf.shape[1]
+        logits_bfv = constrain(logits_bfv, ("batch", None, None))  # each row's whole draft vocabulary, for top-k
         column, lp, ok_child, probs = draw_children(key, logits_bfv, k, sampling)  # [B, f, k]
         tok = vocab_ids[column]
         n_valid = jnp.sum(ok_child, axis=-1) * ok_bf  # [B, f]: the support, not the draws, sets the group size
@@ -264,7 +265,7 @@ def grow_tree(
     for r in range(1, spec.depth):
         eligible = tree.valid & ~tree.expanded & (tree.depths < spec.depth)
         score = jnp.where(eligible, tree.scores, -jnp.inf)
-        top, nodes = jax.lax.top_k(score, f)
+        top, nodes = top_k_rows(score, f)
         ok = (top > -jnp.inf) & (count_b[:, None] < M)
         logits, aux = expand(tree, nodes.astype(jnp.int32), ok, aux)
         tree, count_b = attach(tree, count_b, keys[r], nodes.astype(jnp.int32), ok, logits)
@@ -278,22 +279,21 @@ def best_nodes(tree: DraftTree, m: int) -> DraftTree:
     node's ancestors are kept too.
     """
     B, C = tree.tokens.shape
-    rows = jnp.arange(B)[:, None]
-    _, kept = jax.lax.top_k(jnp.where(tree.valid, tree.scores, -jnp.inf), m)
+    _, kept = top_k_rows(jnp.where(tree.valid, tree.scores, -jnp.inf), m)
     kept = jnp.sort(kept, axis=1).astype(jnp.int32)  # [B, m], the root first
     new_index = set_rows(jnp.zeros((B, C), jnp.int32), kept, jnp.arange(m, dtype=jnp.int32))
     is_kept = set_rows(jnp.zeros((B, C), bool), kept, True)
 
     def pick(x):
-        return x[rows, kept]
+        return get_rows(x, kept)
 
     children = pick(tree.children)  # [B, m, k] old indices, -1 where none
     c = jnp.maximum(children, 0)
-    children = jnp.where((children >= 0) & is_kept[rows[..., None], c], new_index[rows[..., None], c], -1)
+    children = jnp.where((children >= 0) & get_rows(is_kept, c), get_rows(new_index, c), -1)
     return dataclasses.replace(
         tree,
         tokens=pick(tree.tokens),
-        parents=new_index[rows, pick(tree.parents)],
+        parents=get_rows(new_index, pick(tree.parents)),
         depths=pick(tree.depths),
         valid=pick(tree.valid),
         scores=pick(tree.scores),

@@ -72,6 +72,15 @@ def _nbytes(tree) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def _device_nbytes(arrays) -> int:
+    """Bytes on one device of placed arrays: each array's shard where a mesh splits it."""
+
+    def shard(x) -> tuple[int, ...]:
+        return x.sharding.shard_shape(x.shape) if isinstance(x, jax.Array) else x.shape
+
+    return sum(math.prod(shard(x)) * jnp.dtype(x.dtype).itemsize for x in arrays)
+
+
 def weight_bytes(cfg: ModelConfig, dtype, mesh: Mapping[str, int] | None = None) -> int:
     """Bytes of the target's weights in `dtype` (`weight_specs`: tied heads, biases and q/k norms included), on each
     device of a mesh of these axis sizes when given (each weight split by its logical axes)."""
@@ -136,8 +145,8 @@ def memory_plan(
       target_weights: the target's arrays, when the drafter shares some (layer-skip, an EAGLE-3 head's embedding):
         those are counted once, as weights.
       mesh: the mesh's axis sizes ({"data": 2, "tensor": 4}); None for one device. The weights and the KV cache are
-        split by their logical axes (`specjax.sharding`), and so are the activations; the drafter and its work are
-        counted whole on every device.
+        split by their logical axes (`specjax.sharding`), and so are the activations; the drafter's arrays count as
+        they are placed (a head split by its own logical axes), its state and work whole on every device.
     Returns:
       A MemoryPlan.
     """
@@ -159,7 +168,7 @@ def memory_plan(
         shared = {id(x) for x in jax.tree.leaves(target_weights)}
         own = [x for x in jax.tree.leaves(drafter) if id(x) not in shared]
         state, drafter_work = _drafter_state_and_work(cfg, dtype, drafter, draft_shape, batch, P, slots)
-        drafter_bytes = _nbytes(own) + _nbytes(state)
+        drafter_bytes = _device_nbytes(own) + _nbytes(state)
         activations = max(activations, drafter_work)
     if not mesh:
         return MemoryPlan(batch, slots, (), weight_bytes(cfg, dtype), kv, drafter_bytes, activations)

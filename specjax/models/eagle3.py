@@ -29,11 +29,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specjax.config import MetadataFields, ModelConfig, RopeScaling, layer_sizes_from_hf, rope_from_hf
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import ArraySpec, apply_rope, attend, rms_norm, rope_inv_freq
+from specjax.sharding import DEFAULT_RULES, constrain, named_sharding
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # What a head shaped like one layer of its target takes from the target's config (`Eagle3Config.default_for`).
@@ -378,6 +380,21 @@ class Eagle3Head(nnx.Module):
         self.d2t = VocabMap(d2t)
         self.t2d = VocabMap(t2d)
 
+    def place(self, mesh: Mesh, rules=DEFAULT_RULES) -> None:
+        """Splits the weights over `mesh` by their logical axes (`param_specs`, the own embedding as ("vocab",
+        "embed")) under `rules`: with the default rules the heads, KV heads, MLP columns and draft vocabulary go over
+        "tensor", as the target's do, so each device holds its share of the head; the vocabulary maps are replicated.
+        """
+        specs = {
+            **param_specs(self.cfg),
+            "embed": ArraySpec((self.cfg.vocab_size, self.cfg.hidden_size), ("vocab", "embed")),
+        }
+        for name, spec in specs.items():
+            if (var := getattr(self, name)) is not None:
+                var.set_value(jax.device_put(var[...], named_sharding(spec.axes, spec.shape, mesh, rules)))
+        for var in (self.d2t, self.t2d):
+            var.set_value(jax.device_put(var[...], NamedSharding(mesh, PartitionSpec())))
+
     # -- inputs ------------------------------------------------------------------------------------------------
 
     def embed_tokens(self, ids_bt: jax.Array, target_embed_vd: jax.Array | None = None) -> jax.Array:
@@ -447,6 +464,7 @@ class Eagle3Head(nnx.Module):
         """
         normed = rms_norm(out_prenorm, self.final_norm[...], self.cfg.rms_norm_eps)
         logits = jnp.einsum("...d,dv->...v", normed, self.lm_head[...], preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("batch", *(None,) * (logits.ndim - 2), "vocab"))  # as the lm_head's columns
         return logits, normed if self.cfg.norm_output else out_prenorm
 
     # -- cached inference ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 from specjax.config import ModelConfig, RopeScaling
 from specjax.errors import CheckpointError
 from specjax.models.kv_cache import KVCache
-from specjax.sharding import DEFAULT_RULES, MeshChoice, mesh_for, named_sharding
+from specjax.sharding import DEFAULT_RULES, MeshChoice, mesh_for, named_sharding, place
 
 
 @jax.tree_util.register_dataclass
@@ -123,7 +123,7 @@ def weight_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules=DEFAULT_RU
 
 def shard_weights(weights: Weights, cfg: ModelConfig, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES) -> Weights:
     """Places existing weights onto the mesh."""
-    return jax.tree.map(jax.device_put, weights, weight_shardings(cfg, mesh, rules))
+    return place(weights, weight_specs(cfg), mesh, rules)
 
 
 # ---------------------------------------------------------------------------------------------------------------
