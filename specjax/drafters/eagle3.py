@@ -26,6 +26,7 @@ from specjax.drafters.tree import DraftTree, TreeSpec, grow_tree
 from specjax.errors import InputError
 from specjax.models.eagle3 import Eagle3Head
 from specjax.models.kv_cache import KVCache
+from specjax.models.quantize import Int8Matrix
 from specjax.sampling import Sampling
 from specjax.sharding import set_rows
 
@@ -45,17 +46,19 @@ class Eagle3Drafter(ChainDrafter):
 
     Args (via `Eagle3Drafter.create(head, target_embed, tree=None)`):
       head: an `Eagle3Head` made for this target.
-      target_embed: the target's embedding [V, D] (used when the head shares it).
+      target_embed: the target's embedding [V, D], an array or an Int8Matrix (used when the head shares it).
       tree: None for chain drafting (K = num_draft_tokens), else a `TreeSpec`.
     """
 
     params: Any  # nnx.State of the head
-    target_embed: jax.Array | None
+    target_embed: jax.Array | Int8Matrix | None
     graphdef: Any = static_field()
     tree: TreeSpec | None = static_field(None)
 
     @classmethod
-    def create(cls, head: Eagle3Head, target_embed: jax.Array | None, tree: TreeSpec | None = None) -> Eagle3Drafter:
+    def create(
+        cls, head: Eagle3Head, target_embed: jax.Array | Int8Matrix | None, tree: TreeSpec | None = None
+    ) -> Eagle3Drafter:
         graphdef, params = nnx.split(head)
         if tree is not None:
             tree.validate(head.cfg.draft_vocab_size)
@@ -218,7 +221,7 @@ def _draw(head: Eagle3Head, key: jax.Array, logits_bv: jax.Array, sampling: Samp
 
 
 def load_eagle3_drafter(
-    path: str, target_cfg: ModelConfig, target_embed: jax.Array, tree: TreeSpec | None = None
+    path: str, target_cfg: ModelConfig, target_embed: jax.Array | Int8Matrix, tree: TreeSpec | None = None
 ) -> Eagle3Drafter:
     """Loads a published-format EAGLE-3 head folder (config.json + safetensors) for this target. Raises
     CheckpointError / InputError."""

@@ -254,7 +254,7 @@ def weights_from_hf(
                 w = quantize_matrix(w, CONTRACTED[field], dtype)
             else:
                 _check_shape(spec, w)
-                w = w.astype(dtype)
+                w = w.astype(dtype, copy=False)
             if shardings is None:
                 return jax.tree.map(jax.device_put, w)
             return jax.tree.map(jax.device_put, w, getattr(spec_of(shardings), field))
