@@ -141,7 +141,7 @@ def memory_plan(
         split by their logical axes (`specjax.sharding`), and so are the activations; the drafter and its work are
         counted whole on every device.
       quantize: the target's quantization ("none", "int8"): int8 weights count their values and scales (the
-        activations keep one layer's weights in `dtype`, as its dequantized operands are).
+        activations still count one layer's weights in `dtype`, for the operands its matmuls convert from int8).
     Returns:
       A MemoryPlan.
     """
