@@ -519,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if isinstance(runner, SpeculativeRunner) and isinstance(runner.num_draft_tokens, Adaptive):
             runs[mode].learned = runner.num_draft_tokens.summary()
     ar = runs.get("ar")
-    weights = weight_bytes(model.cfg, model.weights.embed.dtype)
+    weights = weight_bytes(model.cfg, model.weights.embed.dtype, quantize=args.quantize)
     bandwidth, bandwidth_source = device_bandwidth()
     timed_prefills = [prefills[n % len(groups)] for n in range(len(groups) * args.repeats)]  # as `measure` timed
     rows = [runs[m].summary(ar, sampling.greedy, weights, bandwidth, timed_prefills) for m in modes]
@@ -531,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "prompts": used, "batch_size": batch_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
         "repeats": args.repeats,
-        "dtype": str(model.weights.embed.dtype), "date": time.strftime("%Y-%m-%d"),
+        "dtype": str(model.weights.embed.dtype), "quantize": args.quantize, "date": time.strftime("%Y-%m-%d"),
         "num_draft_tokens": args.num_draft_tokens, "ngram": args.ngram, "lookup_tokens": args.lookup_tokens,
         "draft_layers": args.draft_layers, "eagle3": args.eagle3, "tree": args.tree or DEFAULT_TREE,
         "dflash": args.dflash,

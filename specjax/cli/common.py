@@ -21,6 +21,7 @@ from specjax.io.loading import load_model
 from specjax.io.tokenizer import Tokenizer
 from specjax.measure.calibration import CALIBRATION_DRAFT_TOKENS
 from specjax.measure.memory import MemoryPlan, check_fits, device_memory, memory_plan
+from specjax.models.quantize import QUANTIZE_CHOICES, quantization
 from specjax.sharding import larger_meshes, mesh_of, parse_mesh
 
 RawDescription = argparse.RawDescriptionHelpFormatter
@@ -83,6 +84,11 @@ def add_model_args(parser: argparse.ArgumentParser, batch_default: str = "all, a
         help="weight and KV cache dtype; auto: bfloat16 on GPU and TPU, float32 on the CPU",
     )  # fmt: skip
     parser.add_argument(
+        "--quantize", choices=QUANTIZE_CHOICES, default="none",
+        help="int8: the target's matrices as int8 with a scale per output channel, dequantized in the matmul "
+        "(weight-only; drafts stay in --dtype)",
+    )  # fmt: skip
+    parser.add_argument(
         "--coordinator", metavar="HOST:PORT|auto",
         help="multi-host: run the same command on every host with the coordinator's address (process 0's), or "
         "'auto' where jax.distributed finds it (TPU pods, SLURM, MPI, Kubernetes); process 0 prints and writes",
@@ -103,12 +109,12 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
 
 
 def load_target(args: argparse.Namespace):
-    """The --model, in --dtype, read straight into its shards on --mesh (across the processes of a multi-host run,
-    which this joins first)."""
+    """The --model, in --dtype (int8 matrices with --quantize int8), read straight into its shards on --mesh (across
+    the processes of a multi-host run, which this joins first)."""
     if args.coordinator is not None:
         start_distributed(None if args.coordinator == "auto" else args.coordinator, args.num_processes, args.process_id)
     dtype = None if args.dtype == "auto" else jnp.dtype(args.dtype)
-    return load_model(args.model, dtype, "auto" if args.mesh == "auto" else parse_mesh(args.mesh))
+    return load_model(args.model, dtype, "auto" if args.mesh == "auto" else parse_mesh(args.mesh), args.quantize)
 
 
 def gather_prompts(args: argparse.Namespace, default: Sequence[str] = ()) -> list[str]:
@@ -247,6 +253,7 @@ def memory_plan_at(model, drafter, num_draft_tokens: int | str, prompt_len: int,
         return memory_plan(
             model.cfg, model.weights.embed.dtype, batch=rows, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
             drafter=drafter, draft_shape=shape, target_weights=model.weights, mesh=on_mesh,
+            quantize=quantization(model.weights),
         )  # fmt: skip
 
     return plan_at

@@ -31,6 +31,7 @@ from specjax.models.dflash import (
 )
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import head_rows
+from specjax.models.quantize import Int8Matrix
 from specjax.sharding import mesh_of, place
 
 
@@ -38,11 +39,12 @@ from specjax.sharding import mesh_of, place
 @dataclasses.dataclass(frozen=True)
 class DFlashDrafter(ChainDrafter):
     """DFlash drafter (a pytree). `embed_vd` is the target's embedding [V, D]; `scored_vd` its LM head's rows of the
-    draft's scored ids (`scored_head`), gathered once here rather than in every round."""
+    draft's scored ids (`scored_head`), gathered once here rather than in every round; both int8 where the target's
+    weights are (`specjax.models.quantize`)."""
 
     weights: DFlashWeights
-    embed_vd: jax.Array
-    scored_vd: jax.Array
+    embed_vd: jax.Array | Int8Matrix
+    scored_vd: jax.Array | Int8Matrix
     cfg: DFlashConfig = dataclasses.field(metadata=dict(static=True))
 
     @classmethod

@@ -27,6 +27,7 @@ from specjax.drafters.tree import DraftTree, TreeSpec, grow_tree
 from specjax.errors import InputError
 from specjax.models.eagle3 import Eagle3Head
 from specjax.models.kv_cache import KVCache
+from specjax.models.quantize import Int8Matrix, embed_rows
 from specjax.sampling import Sampling
 from specjax.sharding import constrain, get_rows, mesh_of, set_rows
 
@@ -46,7 +47,7 @@ class Eagle3Drafter(ChainDrafter):
 
     Args (via `Eagle3Drafter.create(head, target_embed, tree=None)`):
       head: an `Eagle3Head` made for this target.
-      target_embed: the target's embedding [V, D] (used when the head shares it).
+      target_embed: the target's embedding [V, D], an array or an Int8Matrix (used when the head shares it).
       tree: None for chain drafting (K = num_draft_tokens), else a `TreeSpec`.
 
     Where the embedding table the head reads is split over a mesh's vocabulary axis, looking a token up in it takes a
@@ -56,23 +57,25 @@ class Eagle3Drafter(ChainDrafter):
     """
 
     params: Any  # nnx.State of the head
-    target_embed: jax.Array | None
+    target_embed: jax.Array | Int8Matrix | None
     graphdef: Any = static_field()
     tree: TreeSpec | None = static_field(None)
     drafted_embed: jax.Array | None = None  # [Vd, D] replicated rows of the draft vocabulary, on a vocab-split mesh
     draft_ids: jax.Array | None = None  # int32 [V]: the draft id of each target id in the draft vocabulary
 
     @classmethod
-    def create(cls, head: Eagle3Head, target_embed: jax.Array | None, tree: TreeSpec | None = None) -> Eagle3Drafter:
+    def create(
+        cls, head: Eagle3Head, target_embed: jax.Array | Int8Matrix | None, tree: TreeSpec | None = None
+    ) -> Eagle3Drafter:
         graphdef, params = nnx.split(head)
         if tree is not None:
             tree.validate(head.cfg.draft_vocab_size)
         table = target_embed if head.embed is None else head.embed[...]
-        sharding = getattr(table, "sharding", None)
+        sharding = getattr(jax.tree.leaves(table)[0], "sharding", None)  # an int8 table's values split as its rows
         if not (isinstance(sharding, NamedSharding) and sharding.spec and sharding.spec[0] is not None):
             return cls(params, None if head.embed is not None else target_embed, graphdef, tree)
         whole = NamedSharding(sharding.mesh, PartitionSpec())
-        drafted = jax.device_put(table[head.target_ids_of_draft_vocab()], whole)
+        drafted = jax.device_put(embed_rows(table, head.target_ids_of_draft_vocab()), whole)
         ids = jax.device_put(jnp.maximum(jnp.cumsum(head.t2d[...], dtype=jnp.int32) - 1, 0), whole)
         return cls(params, None if head.embed is not None else target_embed, graphdef, tree, drafted, ids)
 
@@ -238,7 +241,7 @@ def _draw(head: Eagle3Head, key: jax.Array, logits_bv: jax.Array, sampling: Samp
 
 
 def load_eagle3_drafter(
-    path: str, target_cfg: ModelConfig, target_embed: jax.Array, tree: TreeSpec | None = None
+    path: str, target_cfg: ModelConfig, target_embed: jax.Array | Int8Matrix, tree: TreeSpec | None = None
 ) -> Eagle3Drafter:
     """Loads a published-format EAGLE-3 head folder (config.json + safetensors) for this target, placed on the mesh of
     the target's embedding where it has one (`Eagle3Head.place`). Raises CheckpointError / InputError."""

@@ -254,7 +254,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
 
 
 def load_gguf(
-    path: str | os.PathLike, dtype=jnp.float32, mesh: MeshChoice = None
+    path: str | os.PathLike, dtype=jnp.float32, mesh: MeshChoice = None, quantize: str = "none"
 ) -> tuple[ModelConfig, Weights, Tokenizer]:
     """Loads a GGUF file, converting it once into an HF folder in the cache (see `converted_folder`).
 
@@ -264,6 +264,7 @@ def load_gguf(
       path: the GGUF file.
       dtype: the dtype of the returned weights.
       mesh: where the weights go, split by their logical axes (`specjax.models.llama.weights_from_hf`).
+      quantize: "int8" for int8 matrices, each quantized as it is read; "none".
     Returns:
       (config, weights, tokenizer).
     """
@@ -273,14 +274,14 @@ def load_gguf(
     folder = converted_folder(path)
     if folder.is_dir():
         try:
-            cfg, weights = load_hf(folder, dtype, mesh)
+            cfg, weights = load_hf(folder, dtype, mesh, quantize)
             return cfg, weights, Tokenizer.from_folder(folder)
         except CheckpointError as e:
             log.warning(f"warning: the cached conversion is damaged ({e}); converting again")
             shutil.rmtree(folder, ignore_errors=True)
     status(f"converting {path.name} to safetensors in {folder.parent} (once)")
     cfg, tensors, tokenizer = read_gguf(path)
-    weights = weights_from_hf(cfg, tensors.__getitem__, dtype, mesh, str(path))  # checked before caching
+    weights = weights_from_hf(cfg, tensors.__getitem__, dtype, mesh, str(path), quantize)  # checked before caching
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))

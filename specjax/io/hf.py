@@ -121,7 +121,9 @@ def open_tensors(folder: Path):
         yield get
 
 
-def load_hf(folder: str | os.PathLike, dtype=jnp.float32, mesh: MeshChoice = None) -> tuple[ModelConfig, Weights]:
+def load_hf(
+    folder: str | os.PathLike, dtype=jnp.float32, mesh: MeshChoice = None, quantize: str = "none"
+) -> tuple[ModelConfig, Weights]:
     """Loads an HF checkpoint folder.
 
     Args:
@@ -129,6 +131,7 @@ def load_hf(folder: str | os.PathLike, dtype=jnp.float32, mesh: MeshChoice = Non
         *.safetensors files.
       dtype: the dtype of the returned weights.
       mesh: where the weights go, split by their logical axes (`specjax.models.llama.weights_from_hf`).
+      quantize: "int8" for int8 matrices, each quantized as it is read; "none".
     Returns:
       (config, weights). Raises CheckpointError for a missing, corrupt or incomplete checkpoint and
       UnsupportedModelError for an architecture specjax does not run.
@@ -138,7 +141,7 @@ def load_hf(folder: str | os.PathLike, dtype=jnp.float32, mesh: MeshChoice = Non
         raise CheckpointError(f"{folder} is not a folder; pass a folder with config.json and *.safetensors")
     cfg = read_config(folder)
     with open_tensors(folder) as get:
-        weights = weights_from_hf(cfg, get, dtype, mesh, str(folder))
+        weights = weights_from_hf(cfg, get, dtype, mesh, str(folder), quantize)
     return cfg, weights
 
 

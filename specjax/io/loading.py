@@ -17,6 +17,7 @@ from specjax.io.hf import load_hf
 from specjax.io.hub import resolve
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.llama import Weights, init_weights, shard_weights
+from specjax.models.quantize import check_quantize, quantize_weights
 from specjax.sharding import MeshChoice, mesh_for
 
 # Built-in names -> (pip package, distribution name, GGUF file inside the package).
@@ -62,7 +63,7 @@ def embedded_gguf(name: str) -> Path:
 TINY_RANDOM = "tiny-random"
 
 
-def tiny_random_model(dtype=jnp.float32, mesh: MeshChoice = None) -> LoadedModel:
+def tiny_random_model(dtype=jnp.float32, mesh: MeshChoice = None, quantize: str = "none") -> LoadedModel:
     """A 4-layer, 64-wide llama with random weights (seed 0) and SmolLM2's tokenizer: for pipeline smoke tests."""
     folder = converted_folder(embedded_gguf("smollm2-135m"))
     if not folder.is_dir():
@@ -72,12 +73,12 @@ def tiny_random_model(dtype=jnp.float32, mesh: MeshChoice = None) -> LoadedModel
         "llama", tokenizer.vocab_size, 64, 128, 4, 4, 2, 16, max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
     )  # fmt: skip
-    weights = init_weights(cfg, jax.random.key(0), dtype, scale=0.1)
+    weights = quantize_weights(init_weights(cfg, jax.random.key(0), dtype, scale=0.1), quantize)
     on = mesh_for(mesh, cfg.num_kv_heads)
     return LoadedModel(cfg, weights if on is None else shard_weights(weights, cfg, on), tokenizer, TINY_RANDOM)
 
 
-def load_model(name_or_path: str, dtype=None, mesh: MeshChoice = None) -> LoadedModel:
+def load_model(name_or_path: str, dtype=None, mesh: MeshChoice = None, quantize: str = "none") -> LoadedModel:
     """Loads a built-in model ("smollm2-135m"; "tiny-random" for smoke tests), a .gguf file, an HF folder or a Hub repo.
 
     A .gguf file is converted once, then loaded from the cache. A Hub repo is downloaded once into the Hugging Face
@@ -90,22 +91,25 @@ def load_model(name_or_path: str, dtype=None, mesh: MeshChoice = None) -> Loaded
       mesh: None for one device; "auto" for every local device (tensor-parallel as far as the KV heads divide, the
         rest data-parallel), or a Mesh or its axis sizes {"data": D, "tensor": T}. Each weight is read straight into
         its shards (`specjax.sharding`).
+      quantize: "none", or "int8" for weight-only int8 matrices with a scale per output channel, each quantized as
+        it is read, before it is placed (`specjax.models.quantize`).
     Returns:
-      The LoadedModel. Raises CheckpointError / UnsupportedModelError (SpecjaxError) on bad input.
+      The LoadedModel. Raises CheckpointError / UnsupportedModelError / InputError (SpecjaxError) on bad input.
     """
+    check_quantize(quantize)
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     if name_or_path == TINY_RANDOM:
-        return tiny_random_model(dtype, mesh)
+        return tiny_random_model(dtype, mesh, quantize)
     if name_or_path in EMBEDDED:
         path = embedded_gguf(name_or_path)
     else:
         path = resolve(name_or_path, "model")
-    status(f"loading {name_or_path} ({jnp.dtype(dtype).name})")
+    status(f"loading {name_or_path} ({jnp.dtype(dtype).name}{', int8 matrices' if quantize == 'int8' else ''})")
     if path.suffix.lower() == ".gguf":
-        cfg, weights, tokenizer = load_gguf(path, dtype, mesh)
+        cfg, weights, tokenizer = load_gguf(path, dtype, mesh, quantize)
     elif path.is_dir():
-        cfg, weights = load_hf(path, dtype, mesh)
+        cfg, weights = load_hf(path, dtype, mesh, quantize)
         tokenizer = Tokenizer.from_folder(path)
     else:
         raise CheckpointError(

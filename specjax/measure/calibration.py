@@ -76,13 +76,13 @@ def round_seconds(
 
 
 def calibration_signature(weights: Weights, cfg: ModelConfig, drafter: Drafter, menu, batch: int, greedy: bool):
-    """What a calibration depends on: the machine (added by the cache), XLA's flags, the target's shapes and dtype,
+    """What a calibration depends on: the machine (added by the cache), XLA's flags, the target's shapes and dtypes,
     the drafter, the menu, the batch and greedy-or-sampled; not the prompt or the number of new tokens."""
     return {
         "method": "forward by tokens + drafter round",
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "target": repr(cfg),
-        "dtype": str(weights.embed.dtype),
+        "dtype": " ".join(sorted({str(x.dtype) for x in jax.tree.leaves(weights)})),  # "float32"; int8 adds "int8"
         "drafter": repr(jax.tree.structure(drafter)),
         "drafter_leaves": [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(drafter)],
         "menu": list(menu),

@@ -81,12 +81,13 @@ def _device_nbytes(arrays) -> int:
     return sum(math.prod(shard(x)) * jnp.dtype(x.dtype).itemsize for x in arrays)
 
 
-def weight_bytes(cfg: ModelConfig, dtype, mesh: Mapping[str, int] | None = None) -> int:
-    """Bytes of the target's weights in `dtype` (`weight_specs`: tied heads, biases and q/k norms included), on each
-    device of a mesh of these axis sizes when given (each weight split by its logical axes)."""
-    specs = jax.tree.leaves(weight_specs(cfg), is_leaf=lambda x: isinstance(x, ArraySpec))
+def weight_bytes(cfg: ModelConfig, dtype, mesh: Mapping[str, int] | None = None, quantize: str = "none") -> int:
+    """Bytes of the target's weights in `dtype` (`weight_specs`: tied heads, biases and q/k norms included; with
+    quantize "int8" its matrices' int8 values and their scales), on each device of a mesh of these axis sizes when
+    given (each weight split by its logical axes)."""
+    specs = jax.tree.leaves(weight_specs(cfg, quantize), is_leaf=lambda x: isinstance(x, ArraySpec))
     split = (lambda s: shard_fraction(s.axes, s.shape, mesh)) if mesh else (lambda s: 1)
-    return sum(math.prod(s.shape) // split(s) for s in specs) * jnp.dtype(dtype).itemsize
+    return sum(math.prod(s.shape) // split(s) * jnp.dtype(s.dtype or dtype).itemsize for s in specs)
 
 
 def forward_activations(
@@ -131,6 +132,7 @@ def memory_plan(
     draft_shape: TreeSpec | None = None,
     target_weights: Weights | None = None,
     mesh: Mapping[str, int] | None = None,
+    quantize: str = "none",
 ) -> MemoryPlan:
     """The memory plan of a decoding run, on each device of its mesh.
 
@@ -147,6 +149,8 @@ def memory_plan(
       mesh: the mesh's axis sizes ({"data": 2, "tensor": 4}); None for one device. The weights and the KV cache are
         split by their logical axes (`specjax.sharding`), and so are the activations; the drafter's arrays count as
         they are placed (a head split by its own logical axes), its state and work whole on every device.
+      quantize: the target's quantization ("none", "int8"): int8 weights count their values and scales (the
+        activations still count one layer's weights in `dtype`, for the operands its matmuls convert from int8).
     Returns:
       A MemoryPlan.
     """
@@ -171,10 +175,10 @@ def memory_plan(
         drafter_bytes = _device_nbytes(own) + _nbytes(state)
         activations = max(activations, drafter_work)
     if not mesh:
-        return MemoryPlan(batch, slots, (), weight_bytes(cfg, dtype), kv, drafter_bytes, activations)
+        return MemoryPlan(batch, slots, (), weight_bytes(cfg, dtype, quantize=quantize), kv, drafter_bytes, activations)
     kv_split = shard_fraction(CACHE_AXES, cache_shape, mesh)
     return MemoryPlan(
-        batch, slots, tuple(mesh.items()), weight_bytes(cfg, dtype, mesh), kv // kv_split, drafter_bytes,
+        batch, slots, tuple(mesh.items()), weight_bytes(cfg, dtype, mesh, quantize), kv // kv_split, drafter_bytes,
         activations,
     )  # fmt: skip
 

@@ -30,6 +30,7 @@ from specjax.models.llama import (
     rope_inv_freq,
     weight_specs,
 )
+from specjax.models.quantize import embed_rows, weight_einsum
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -268,10 +269,10 @@ def block_hidden(
         B, R = q.shape[:2]
         q = q.reshape(B, R, stack.num_kv_heads, -1, stack.head_dim)
         attn = attend(q, k_ctx, v_ctx, k, v, ctx_mask_bts[:, rows], new_mask_btt[:, rows])
-        x_btd = x_btd[:, rows] + jnp.einsum("btnh,nhd->btd", attn.reshape(B, R, stack.num_heads, -1), lw.o)
+        x_btd = x_btd[:, rows] + weight_einsum("btnh,nhd->btd", attn.reshape(B, R, stack.num_heads, -1), lw.o)
         return mlp_block(lw, x_btd, eps)
 
-    x_btd = embed_vd[ids_bt].astype(w.fc.dtype)
+    x_btd = embed_rows(embed_vd, ids_bt).astype(w.fc.dtype)
     last = stack.num_layers - 1
     for i in range(stack.num_layers):
         lw = jax.tree.map(lambda a, i=i: a[i], w.layers)
@@ -281,13 +282,14 @@ def block_hidden(
 
 
 def scored_head(w: DFlashWeights, head_vd: jax.Array) -> jax.Array:
-    """The target's LM head [V, D] restricted to the draft's scored ids: [Vd, D] in the order of `w.vocab_ids`."""
+    """The target's LM head [V, D] (an array or an Int8Matrix) restricted to the draft's scored ids: [Vd, D] in the
+    order of `w.vocab_ids`."""
     return head_vd if w.vocab_ids is None else head_vd[w.vocab_ids]
 
 
 def draft_logits(scored_vd: jax.Array, h_btd: jax.Array) -> jax.Array:
     """float32 logits [B, T, V or Vd] of the scored LM-head rows (`scored_head`)."""
-    return jnp.einsum("btd,vd->btv", h_btd.astype(scored_vd.dtype), scored_vd, preferred_element_type=jnp.float32)
+    return weight_einsum("btd,vd->btv", h_btd.astype(scored_vd.dtype), scored_vd, preferred_element_type=jnp.float32)
 
 
 def block_inputs(cfg: DFlashConfig, anchors_bn: jax.Array, anchor_ids_bn: jax.Array):

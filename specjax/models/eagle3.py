@@ -35,6 +35,7 @@ from specjax.config import MetadataFields, ModelConfig, RopeScaling, layer_sizes
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import ArraySpec, apply_rope, attend, rms_norm, rope_inv_freq
+from specjax.models.quantize import embed_rows
 from specjax.sharding import DEFAULT_RULES, constrain, named_sharding
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -402,7 +403,8 @@ class Eagle3Head(nnx.Module):
 
         Args:
           ids_bt: int32 target token ids.
-          target_embed_vd: the target's embedding table [V, D]; needed when the head has none.
+          target_embed_vd: the target's embedding table [V, D] (an array or an Int8Matrix); needed when the head has
+            none.
         Returns:
           [..., D] in the head dtype.
         """
@@ -412,7 +414,7 @@ class Eagle3Head(nnx.Module):
             raise InputError("this EAGLE-3 head shares the target's embedding: pass target_embed_vd (weights.embed)")
         else:
             table = target_embed_vd
-        return table[ids_bt].astype(self.dtype)
+        return embed_rows(table, ids_bt).astype(self.dtype)
 
     def fuse(self, taps_btf: jax.Array) -> jax.Array:
         """fc over the concatenated target taps [B, T, n*Ht] (low, mid, high) -> g [B, T, D]."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,15 @@ import numpy as np
 from specjax.config import ModelConfig, RopeScaling
 from specjax.errors import CheckpointError
 from specjax.models.kv_cache import KVCache
+from specjax.models.quantize import (
+    CONTRACTED,
+    Int8Matrix,
+    embed_rows,
+    map_matrices,
+    quantization,
+    quantize_matrix,
+    weight_einsum,
+)
 from specjax.sharding import DEFAULT_RULES, MeshChoice, mesh_for, named_sharding, place
 
 
@@ -53,14 +62,17 @@ class Weights:
 
 @dataclasses.dataclass(frozen=True)
 class ArraySpec:
-    """Shape and logical axis names of one weight."""
+    """Shape, logical axis names and dtype (None: the run's) of one weight."""
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
+    dtype: Any = None
 
 
-def weight_specs(cfg: ModelConfig) -> Weights:
-    """The abstract weights of `cfg`: a Weights pytree whose leaves are ArraySpecs."""
+def weight_specs(cfg: ModelConfig, quantize: str = "none") -> Weights:
+    """The abstract weights of `cfg`: a Weights pytree whose leaves are ArraySpecs; with quantize "int8" its matrices
+    are Int8Matrix pairs (`specjax.models.quantize`): int8 values on the weight's axes, scales on the same axes with
+    the contracted ones of size 1, so both split along the output axes alike."""
     L, D, N, K, H, F, V = (
         cfg.num_layers,
         cfg.hidden_size,
@@ -87,12 +99,21 @@ def weight_specs(cfg: ModelConfig) -> Weights:
         q_norm=ArraySpec((L, H), ("layers", "head_dim")) if cfg.qk_norm else None,
         k_norm=ArraySpec((L, H), ("layers", "head_dim")) if cfg.qk_norm else None,
     )
-    return Weights(
+    specs = Weights(
         embed=ArraySpec((V, D), ("vocab", "embed")),
         layers=layers,
         final_norm=ArraySpec((D,), ("embed",)),
         lm_head=None if cfg.tie_word_embeddings else ArraySpec((D, V), ("embed", "vocab")),
     )
+    if quantize == "none":
+        return specs
+
+    def int8(spec: ArraySpec, contracted: tuple[int, ...]) -> Int8Matrix:
+        n = len(spec.shape)
+        scale_shape = tuple(1 if i - n in contracted else size for i, size in enumerate(spec.shape))
+        return Int8Matrix(dataclasses.replace(spec, dtype=jnp.int8), ArraySpec(scale_shape, spec.axes))
+
+    return map_matrices(specs, int8)
 
 
 def _is_spec(x) -> bool:
@@ -116,14 +137,15 @@ def init_weights(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: flo
     return treedef.unflatten([make(s, k) for s, k in zip(leaves, keys)])
 
 
-def weight_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES) -> Weights:
+def weight_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES, quantize: str = "none") -> Weights:
     """A Weights pytree of NamedShardings for `cfg` on `mesh`, by the weights' logical axes."""
-    return jax.tree.map(lambda s: named_sharding(s.axes, s.shape, mesh, rules), weight_specs(cfg), is_leaf=_is_spec)
+    specs = weight_specs(cfg, quantize)
+    return jax.tree.map(lambda s: named_sharding(s.axes, s.shape, mesh, rules), specs, is_leaf=_is_spec)
 
 
 def shard_weights(weights: Weights, cfg: ModelConfig, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES) -> Weights:
-    """Places existing weights onto the mesh."""
-    return place(weights, weight_specs(cfg), mesh, rules)
+    """Places existing weights (float or int8) onto the mesh."""
+    return place(weights, weight_specs(cfg, quantization(weights)), mesh, rules)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -201,6 +223,7 @@ def weights_from_hf(
     dtype=jnp.float32,
     mesh: MeshChoice = None,
     source: str = "checkpoint",
+    quantize: str = "none",
 ) -> Weights:
     """Builds Weights from tensors in HF naming and PyTorch [out, in] layout, each placed (in `dtype`, on its
     shards) as soon as it is read, so the host never holds more than one stacked tensor in float32.
@@ -212,21 +235,29 @@ def weights_from_hf(
       mesh: where to place them (`specjax.sharding.mesh_for`): None for the default device, "auto" for every local
         device, a Mesh or its axis sizes; each weight is split by its logical axes.
       source: the checkpoint's folder or file, named in errors.
+      quantize: "int8" quantizes each matrix on the host as it is read, before it is placed
+        (`specjax.models.quantize`); "none" keeps them in `dtype`.
     Returns:
       The Weights. Raises CheckpointError naming any missing or mis-shaped tensor.
     """
     D = cfg.hidden_size
     fetch = hf_fetcher(get, source)
-    specs = weight_specs(cfg)
+    specs = weight_specs(cfg, quantize)
     on = mesh_for(mesh, cfg.num_kv_heads)
-    shardings = weight_shardings(cfg, on) if on is not None else None
+    shardings = weight_shardings(cfg, on, quantize=quantize) if on is not None else None
 
     def placer(spec_of: Callable[[Weights], object]):
-        def place(field: str, w: np.ndarray) -> jax.Array:
-            _check_shape(getattr(spec_of(specs), field), w)
+        def place(field: str, w: np.ndarray) -> jax.Array | Int8Matrix:
+            spec = getattr(spec_of(specs), field)
+            if isinstance(spec, Int8Matrix):
+                _check_shape(spec.values, w)
+                w = quantize_matrix(w, CONTRACTED[field], dtype)
+            else:
+                _check_shape(spec, w)
+                w = w.astype(dtype, copy=False)
             if shardings is None:
-                return jnp.asarray(w, dtype)
-            return jax.device_put(w.astype(dtype), getattr(spec_of(shardings), field))
+                return jax.tree.map(jax.device_put, w)
+            return jax.tree.map(jax.device_put, w, getattr(spec_of(shardings), field))
 
         return place
 
@@ -380,7 +411,7 @@ def attend(q_btkgh, k_cache_bskh, v_cache_bskh, k_new_btkh, v_new_btkh, cache_ma
 
 def queries(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray, eps: float):
     """One layer's rotated queries [B, T, N, H] from its normed input (bias and q-norm where the family has them)."""
-    q = jnp.einsum("btd,dnh->btnh", h_btd, lw.q)
+    q = weight_einsum("btd,dnh->btnh", h_btd, lw.q)
     if lw.q_bias is not None:
         q = q + lw.q_bias
     if lw.q_norm is not None:
@@ -390,8 +421,8 @@ def queries(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, inv_fre
 
 def keys_values(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray, eps: float):
     """One layer's rotated keys and values [B, T, K, H] from its normed input."""
-    k = jnp.einsum("btd,dkh->btkh", h_btd, lw.k)
-    v = jnp.einsum("btd,dkh->btkh", h_btd, lw.v)
+    k = weight_einsum("btd,dkh->btkh", h_btd, lw.k)
+    v = weight_einsum("btd,dkh->btkh", h_btd, lw.v)
     if lw.k_bias is not None:
         k, v = k + lw.k_bias, v + lw.v_bias
     if lw.k_norm is not None:
@@ -402,8 +433,8 @@ def keys_values(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, inv
 def mlp_block(lw: LayerWeights, x_btd: jax.Array, eps: float) -> jax.Array:
     """The residual stream after one layer's SwiGLU MLP."""
     h = rms_norm(x_btd, lw.mlp_norm, eps)
-    mlp = jax.nn.silu(jnp.einsum("btd,df->btf", h, lw.gate)) * jnp.einsum("btd,df->btf", h, lw.up)
-    return x_btd + jnp.einsum("btf,fd->btd", mlp, lw.down)
+    mlp = jax.nn.silu(weight_einsum("btd,df->btf", h, lw.gate)) * weight_einsum("btd,df->btf", h, lw.up)
+    return x_btd + weight_einsum("btf,fd->btd", mlp, lw.down)
 
 
 def forward_new_kv(
@@ -442,7 +473,7 @@ def forward_new_kv(
     cache_mask, new_mask = attention_mask(cfg, positions_bt, cache.lengths, S, new_mask_btt)
     inv_freq = rope_inv_freq(cfg)
     K, G = cfg.num_kv_heads, cfg.group_size
-    x_btd = weights.embed[tokens_bt]
+    x_btd = embed_rows(weights.embed, tokens_bt)
     eps = cfg.rms_norm_eps
 
     taps0 = jnp.zeros((len(tap_layers), B, T, cfg.hidden_size), x_btd.dtype)
@@ -455,7 +486,7 @@ def forward_new_kv(
         q = queries(lw, h, positions_bt, inv_freq, eps)
         k, v = keys_values(lw, h, positions_bt, inv_freq, eps)
         attn = attend(q.reshape(B, T, K, G, -1), k_cache, v_cache, k, v, cache_mask, new_mask)
-        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn.reshape(B, T, cfg.num_heads, -1), lw.o)
+        x_btd = x_btd + weight_einsum("btnh,nhd->btd", attn.reshape(B, T, cfg.num_heads, -1), lw.o)
         return (mlp_block(lw, x_btd, eps), taps, i + 1), (k, v)
 
     (x_btd, taps, _), (k_new, v_new) = jax.lax.scan(
@@ -491,8 +522,8 @@ def forward(
     return logits, taps, cache.write(k_new, v_new)
 
 
-def head_rows(weights: Weights) -> jax.Array:
-    """The LM head as [V, D] rows (the embedding when tied)."""
+def head_rows(weights: Weights) -> jax.Array | Int8Matrix:
+    """The LM head as [V, D] rows (the embedding when tied), int8 where the weights are."""
     return weights.embed if weights.lm_head is None else weights.lm_head.T
 
 
@@ -503,4 +534,4 @@ def lm_logits(weights: Weights, cfg: ModelConfig, x_btd: jax.Array, vocab_ids: j
     head_vd = head_rows(weights)
     if vocab_ids is not None:
         head_vd = head_vd[vocab_ids]
-    return jnp.einsum("btd,vd->btv", h, head_vd, preferred_element_type=jnp.float32)
+    return weight_einsum("btd,vd->btv", h, head_vd, preferred_element_type=jnp.float32)
