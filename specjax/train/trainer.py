@@ -33,20 +33,10 @@ from tqdm import tqdm
 from specjax.errors import CheckpointError, OutputError, SpecjaxError
 from specjax.host import append_text, write_file
 from specjax.models.llama import ArraySpec, Weights, weight_specs
-from specjax.sharding import DEFAULT_RULES, partition_spec
+from specjax.sharding import partition_spec
 from specjax.train.batches import ROW_KEYS, BatchSource
 from specjax.train.config import TrainConfig
 from specjax.train.features import feature_layers, target_features
-
-# Training adds FSDP: weights' model dimension over "fsdp", batches over data x fsdp.
-TRAIN_RULES = (
-    *((k, v) for k, v in DEFAULT_RULES if k != "batch"),
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("embed2", "fsdp"),
-    ("taps", "fsdp"),
-)
-
 
 class TrainingDiverged(SpecjaxError):
     """The loss or a weight became NaN or infinite, or a weight grew past PARAM_LIMIT."""
@@ -79,6 +69,13 @@ def to_global(host: np.ndarray | jax.Array, sharding: NamedSharding) -> jax.Arra
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def placed(x: np.ndarray | jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`x` on `sharding`: as it is when it is there already (a target loaded onto the run's mesh), else `to_global`."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    return to_global(x, sharding)
+
+
 class Trainer:
     """Owns the mesh placement and the compiled step of one training run of a draft (specjax/train/drafts.py)."""
 
@@ -90,16 +87,15 @@ class Trainer:
 
         def shard(specs):
             return jax.tree.map(
-                lambda s: NamedSharding(mesh, partition_spec(s.axes, s.shape, mesh, TRAIN_RULES)),
+                lambda s: NamedSharding(mesh, partition_spec(s.axes, s.shape, mesh)),
                 specs,
                 is_leaf=lambda x: isinstance(x, ArraySpec),
             )
 
         target_shardings = shard(weight_specs(target_cfg))
-        self.target_weights = jax.tree.map(to_global, target_weights, target_shardings)
+        self.target_weights = jax.tree.map(placed, target_weights, target_shardings)
         params = jax.tree.map(to_global, draft.params, shard(draft.specs()))
-        self.batch_sharding = NamedSharding(mesh, partition_spec(("batch", None), (cfg.training.batch_size, 1), mesh,
-                                                                 TRAIN_RULES))  # fmt: skip
+        self.batch_sharding = NamedSharding(mesh, partition_spec(("batch", None), (cfg.training.batch_size, 1), mesh))
         # Every leaf of the state lives on the mesh: Adam's moments shaped and sharded like the weights, scalars
         # (step counts) replicated. Left to themselves, jit puts constant outputs on one device, which a step over
         # several devices (or processes) refuses.
