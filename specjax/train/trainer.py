@@ -38,6 +38,7 @@ from specjax.train.batches import ROW_KEYS, BatchSource
 from specjax.train.config import TrainConfig
 from specjax.train.features import feature_layers, target_features
 
+
 class TrainingDiverged(SpecjaxError):
     """The loss or a weight became NaN or infinite, or a weight grew past PARAM_LIMIT."""
 
