@@ -1,7 +1,8 @@
 """Run as a script with 8 fake CPU devices: the first training losses on meshes data x fsdp x tensor, the target
 loaded from its files straight onto the mesh (training.features=online).
 
-Usage: python tests/train_sharded.py STEPS D,F,T [D,F,T ...]   prints one line "losses D F T [l1, ...]" per mesh,
+Usage: python tests/train_sharded.py STEPS D,F,T[,N] ...   prints one line "losses D F T [l1, ...]" per mesh (N:
+training.grad_accumulation, 1 by default),
 after asserting that the target stays as loaded (no second copy), that the target's and the head's weights (when
 fsdp or tensor > 1) and the batches really are split over devices, and that the loaded target decodes there (what
 the regenerate and evaluate stages do with it) the greedy tokens of the unsharded one.
@@ -26,11 +27,12 @@ from specjax.io.hf import load_hf, save_hf  # noqa: E402
 from specjax.sharding import make_mesh  # noqa: E402
 
 
-def main(folder: Path, steps: int, data: int, fsdp: int, tensor: int) -> None:
+def main(folder: Path, steps: int, data: int, fsdp: int, tensor: int, microbatches: int = 1) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     axes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     _, loaded = load_hf(folder, mesh=make_mesh(axes))  # each tensor read into its shards
-    _, trainer, source = train_tiny.build(mesh_axes=axes, target_weights=loaded)
+    overrides = [f"training.grad_accumulation={microbatches}"]
+    _, trainer, source = train_tiny.build(overrides, mesh_axes=axes, target_weights=loaded)
     assert all(a is b for a, b in zip(jax.tree.leaves(trainer.target_weights), jax.tree.leaves(loaded)))
     params = trainer.initial_state["params"]
     split = sorted(k for k, p in params.items() if not p.sharding.is_fully_replicated)

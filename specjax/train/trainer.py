@@ -64,6 +64,13 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
 
 
+def compute_dtype(name: str) -> jnp.dtype:
+    """`training.compute_dtype`: bfloat16 or float32; "auto" is bfloat16 on GPU and TPU, float32 on the CPU."""
+    if name == "auto":
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    return jnp.dtype(name)
+
+
 def to_global(host: np.ndarray | jax.Array, sharding: NamedSharding) -> jax.Array:
     """Places an array that every process holds in full onto a (possibly multi-host) sharding."""
     host = np.asarray(host)
@@ -85,6 +92,7 @@ class Trainer:
         self.feature_layers = feature_layers(draft.tap_layers, target_cfg)
         self.batch_keys = (*ROW_KEYS, "features") if cfg.training.features == "stored" else ROW_KEYS
         self.optimizer = make_optimizer(cfg)
+        self.compute_dtype = compute_dtype(cfg.training.compute_dtype)
 
         def shard(specs):
             return jax.tree.map(
@@ -95,7 +103,8 @@ class Trainer:
 
         target_shardings = shard(weight_specs(target_cfg))
         self.target_weights = jax.tree.map(placed, target_weights, target_shardings)
-        params = jax.tree.map(to_global, draft.params, shard(draft.specs()))
+        # The master weights: float32, whatever the compute dtype.
+        params = jax.tree.map(lambda x, s: to_global(np.asarray(x, np.float32), s), draft.params, shard(draft.specs()))
         self.batch_sharding = NamedSharding(mesh, partition_spec(("batch", None), (cfg.training.batch_size, 1), mesh))
         # Every leaf of the state lives on the mesh: Adam's moments shaped and sharded like the weights, scalars
         # (step counts) replicated. Left to themselves, jit puts constant outputs on one device, which a step over
@@ -119,18 +128,33 @@ class Trainer:
             donate_argnums=0,
         )
 
-    def loss(self, params, target_weights: Weights, batch: dict, step: jax.Array):
-        """The draft's loss and metrics of one batch (stored features, or the frozen target run here)."""
+    def loss(self, params, target_weights: Weights, batch: dict, step: jax.Array, totals):
+        """The draft's loss and metrics of one (micro)batch (stored features, or the frozen target run here), in the
+        compute dtype; `totals`: the draft's divisors of the whole batch."""
+        params = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
         rows = {k: batch[k] for k in ROW_KEYS}
         if "features" in batch:
             features = batch["features"].astype(target_weights.embed.dtype)
         else:
             features = target_features(target_weights, self.target_cfg, self.feature_layers, rows)
-        return self.draft.loss(params, target_weights, rows, features, step)
+        return self.draft.loss(params, target_weights, rows, features, step, totals)
 
     def _train_step(self, state: dict, target_weights: Weights, batch: dict):
+        """One optimizer update from the summed gradients of `training.grad_accumulation` microbatches, run one
+        after another; microbatch m holds rows m, m + N, ..., so each device's rows feed every microbatch."""
+        n = self.cfg.training.grad_accumulation
+        args = state["step"], self.draft.totals({k: batch[k] for k in ROW_KEYS})
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
-        (loss, aux), grads = grad_fn(state["params"], target_weights, batch, state["step"])
+        parts = jax.tree.map(lambda x: x.reshape(-1, n, *x.shape[1:]).swapaxes(0, 1), batch)
+
+        def accumulate(sums, part):
+            (loss, aux), grads = grad_fn(state["params"], target_weights, part, *args)
+            return jax.tree.map(jnp.add, sums, (loss, aux, grads)), None
+
+        first = jax.tree.map(lambda x: x[0], parts)
+        shapes = jax.eval_shape(grad_fn, state["params"], target_weights, first, *args)
+        (loss, aux), grads = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        (loss, aux, grads), _ = jax.lax.scan(accumulate, (loss, aux, grads), parts)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(params)]))
