@@ -142,21 +142,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_one(tmp_path, single_device_losses):
-    """jax.distributed on localhost with gloo CPU collectives, one device per process, mesh data=2: the same losses
-    as one device; checkpoints and metrics are written once, and both processes export the same head."""
-    port = _free_port()
-    workers = [_script("train_multiprocess.py", port, 2, i, tmp_path) for i in range(2)]
-    outs = [_finish(p) for p in workers]
+def test_two_processes_equal_one_and_resume_exactly_after_sigkill(tmp_path, single_device_losses):
+    """jax.distributed on localhost with gloo CPU collectives, one device per process, mesh data=2, each process
+    building only its own rows of every batch: both processes are SIGKILLed after step 4 (checkpoint 3 on disk), two
+    new ones resume at step 4 and finish step 6. The losses are one device's; checkpoints and metrics are written
+    once, without duplicate steps, and both processes export the same head."""
+
+    def pair(*args):
+        port = _free_port()
+        return [_script("train_multiprocess.py", port, 2, i, tmp_path, 6, *args) for i in range(2)]
+
+    def losses(lines):
+        return {int(line.split()[1]): float(line.split()[2]) for line in lines if line.startswith("loss ")}
+
+    victims, seen = pair("--hang-after=4"), []
+    try:
+        for victim in victims:
+            seen.append([])
+            for line in victim.stdout:
+                if line.strip() == "hanging":
+                    break
+                seen[-1].append(line)
+            else:
+                pytest.fail(f"the run ended before step 4: {victim.stderr.read()[-3000:]}")
+    finally:
+        for victim in victims:
+            victim.kill()
+            victim.communicate()
+    assert [victim.returncode for victim in victims] == [-signal.SIGKILL] * 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
+    outs = [_finish(p) for p in pair()]
 
     def field(out, name):
         return json.loads(next(line for line in out.splitlines() if line.startswith(name + " "))[len(name) + 1 :])
 
-    for out in outs:
-        np.testing.assert_allclose(field(out, "losses"), single_device_losses[:3], rtol=1e-5)
+    for before, after in zip(seen, outs):
+        assert sorted(losses(before)) == [1, 2, 3, 4] and sorted(losses(after.splitlines())) == [4, 5, 6]
+        found = losses(before) | losses(after.splitlines())
+        np.testing.assert_allclose([found[s] for s in range(1, 7)], single_device_losses[:6], rtol=1e-5)
+        assert losses(before)[4] == losses(after.splitlines())[4]  # the resumed step 4 is the killed run's, exactly
     assert field(outs[0], "head") == field(outs[1], "head")
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
-    assert [m["step"] for m in _metrics(tmp_path)] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "6"]
+    assert [m["step"] for m in _metrics(tmp_path)] == list(range(1, 7))
 
 
 # -- 5. SIGKILL and resume ---------------------------------------------------------------------------------------

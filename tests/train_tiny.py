@@ -107,7 +107,7 @@ def first_losses(trainer, source, steps: int) -> list[float]:
 
     state, losses = trainer.initial_state, []
     for step in range(steps):
-        state, metrics = trainer.step(state, source.batch(step))
+        state, metrics = trainer.step(state, source.batch(step, trainer.local_rows))
         losses.append(float(np.asarray(metrics["loss"])))
     return losses
 

@@ -105,7 +105,11 @@ class Trainer:
         self.target_weights = jax.tree.map(placed, target_weights, target_shardings)
         # The master weights: float32, whatever the compute dtype.
         params = jax.tree.map(lambda x, s: to_global(np.asarray(x, np.float32), s), draft.params, shard(draft.specs()))
-        self.batch_sharding = NamedSharding(mesh, partition_spec(("batch", None), (cfg.training.batch_size, 1), mesh))
+        B = cfg.training.batch_size
+        self.batch_sharding = NamedSharding(mesh, partition_spec(("batch", None), (B, 1), mesh))
+        # The rows of a global batch that this process's devices hold: the only ones it builds (`step`).
+        held = self.batch_sharding.addressable_devices_indices_map((B, 1)).values()
+        self.local_rows = np.unique(np.concatenate([np.arange(B)[index[0]] for index in held]))
         # Every leaf of the state lives on the mesh: Adam's moments shaped and sharded like the weights, scalars
         # (step counts) replicated. Left to themselves, jit puts constant outputs on one device, which a step over
         # several devices (or processes) refuses.
@@ -162,8 +166,16 @@ class Trainer:
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def step(self, state: dict, batch: dict[str, np.ndarray]) -> tuple[dict, dict]:
-        placed = {k: to_global(v, self.batch_sharding) for k, v in batch.items()}
-        return self._step(state, self.target_weights, placed)
+        """One update from this process's rows (`local_rows`) of the global batch."""
+        rows = np.arange(self.cfg.training.batch_size)
+
+        def place(local: np.ndarray) -> jax.Array:
+            def device_rows(index):
+                return local[np.searchsorted(self.local_rows, rows[index[0]])]
+
+            return jax.make_array_from_callback((len(rows), *local.shape[1:]), self.batch_sharding, device_rows)
+
+        return self._step(state, self.target_weights, {k: place(v) for k, v in batch.items()})
 
     def export(self, state: dict):
         """The trained draft (`draft.export` of the weights), gathered to host memory."""
@@ -324,7 +336,7 @@ def train(
         try:
             t0 = time.perf_counter()
             for step in bar:
-                state, metrics = trainer.step(state, source.batch(step))
+                state, metrics = trainer.step(state, source.batch(step, trainer.local_rows))
                 host = jax.tree.map(lambda x: np.asarray(x).tolist(), jax.device_get(metrics))
                 if not (math.isfinite(host["loss"]) and host["param_max"] <= PARAM_LIMIT):  # NaN fails both
                     raise TrainingDiverged(_divergence_message(host, step + 1, manager.latest_step()))
