@@ -22,13 +22,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specjax.errors import InputError
 
-# Logical axis -> mesh axis. Heads and MLP columns go tensor-parallel, batches data-parallel.
-DEFAULT_RULES: tuple[tuple[str, str], ...] = (
-    ("batch", "data"),
+# Logical axis -> mesh axis (or axes). Heads and MLP columns go tensor-parallel, batches data-parallel. The trainer's
+# meshes add "fsdp": the weights' model dimension goes over it and batches over data x fsdp; on a mesh without that
+# axis (the decoding tools') those rules do nothing, so a model loaded onto a training mesh decodes there as it is.
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...]], ...] = (
+    ("batch", ("data", "fsdp")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("embed2", "fsdp"),
+    ("taps", "fsdp"),
 )
 # A KV cache's k and v: [L, B, S, K, H].
 CACHE_AXES = ("layers", "batch", "slots", "kv_heads", "head_dim")

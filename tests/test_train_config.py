@@ -53,6 +53,10 @@ def test_unknown_key_lists_the_valid_ones():
         ("training.warmup_steps=-4", r"training.warmup_steps=-4 \(must be >= 0\)"),
         ("training.final_lr_ratio=2", r"training.final_lr_ratio=2.0 \(must be in \[0, 1\]\)"),
         ("training.steps", "not of the form section.key=value"),
+        ("training.compute_dtype=float16", "training.compute_dtype must be auto, bfloat16, float32; got 'float16'"),
+        ("training.grad_accumulation=0", r"training.grad_accumulation=0 \(must be >= 1\)"),
+        ("training.grad_accumulation=3", "batch_size=4 does not split into training.grad_accumulation=3 microbatches"),
+        ("training.remat=3", "training.remat must be bool"),
     ],
 )
 def test_wrong_values_are_errors(override, message):
@@ -107,3 +111,8 @@ def test_a_moved_store_does_not_make_a_run_another_run(tmp_path):
     check_record(load_config(SMOKE, [f"output_dir={tmp_path}", "data.store=/new/store"]))
     with pytest.raises(InputError, match="different data settings"):
         check_record(load_config(SMOKE, [f"output_dir={tmp_path}", "data.num_prompts=17"]))
+
+
+def test_gradient_accumulation_is_for_eagle3_heads():
+    with pytest.raises(InputError, match="training.grad_accumulation applies to EAGLE-3 heads"):
+        load_config(SMOKE, ["model.drafter=dflash", "dflash.mask_token_id=5", "training.grad_accumulation=2"])

@@ -25,7 +25,7 @@ import train_tiny  # noqa: E402
 from specjax.cli.train import entry  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.train.data import load_samples  # noqa: E402
-from specjax.train.trainer import TrainingDiverged, checkpoint_manager, restore_latest, train  # noqa: E402
+from specjax.train.trainer import TrainingDiverged, checkpoint_manager, restore_latest, to_global, train  # noqa: E402
 from specjax.train.vocab import draft_vocab  # noqa: E402
 
 SMOKE = ROOT / "configs" / "smoke.yaml"
@@ -78,22 +78,59 @@ def _metrics(run_dir: Path) -> list[dict]:
 # -- 3. fake devices ---------------------------------------------------------------------------------------------
 
 
+SHARDED_STEPS = 20
+
+
 @pytest.fixture(scope="module")
 def single_device_losses():
-    """The first 3 losses of the tiny setup on one device (this process)."""
+    """The first SHARDED_STEPS losses of the tiny setup on one device (this process)."""
     _, trainer, source = train_tiny.build(mesh_axes={"data": 1, "fsdp": 1, "tensor": 1})
-    return train_tiny.first_losses(trainer, source, 3)
+    return train_tiny.first_losses(trainer, source, SHARDED_STEPS)
 
 
 def test_sharded_meshes_equal_single_device(single_device_losses):
-    """8 fake CPU devices, meshes data x fsdp x tensor = 2x2x2 and 8x1x1: the first 3 losses equal a single device's
-    (the script also asserts that weights, Adam moments and batches really are split)."""
-    out = _finish(_script("train_sharded.py", "2,2,2", "8,1,1"))
+    """8 fake CPU devices, meshes data x fsdp x tensor = 2x2x2 (in two microbatches a step) and 8x1x1, the target
+    loaded from its files into its shards and run in the step (features online): 20 losses equal a single device's
+    (the script also asserts that the trainer keeps the loaded target, that weights, Adam moments and batches really
+    are split, and that the loaded target decodes as the unsharded one)."""
+    out = _finish(_script("train_sharded.py", SHARDED_STEPS, "2,2,2,2", "8,1,1"))
     lines = [line.split() for line in out.splitlines() if line.startswith("losses")]
     assert [tuple(map(int, line[1:4])) for line in lines] == [(2, 2, 2), (8, 1, 1)], out
     assert "q" in lines[0][-1].split(",")  # 2x2x2: the head's q projection is split
     for line in lines:
         np.testing.assert_allclose(json.loads(line[4]), single_device_losses, rtol=1e-5)
+
+
+def test_gradient_accumulation_gives_the_update_of_one_batch():
+    """training.grad_accumulation=2 (two microbatches of 4 rows with unequal numbers of supervised rows): one step
+    gives the weights, Adam state and metrics of one batch of 8."""
+    states = {}
+    for n in (1, 2):
+        _, trainer, source = train_tiny.build([f"training.grad_accumulation={n}"])
+        states[n] = trainer.step(trainer.initial_state, source.batch(0))
+    mask = source.batch(0)["loss_mask"]
+    assert mask[0::2].sum() != mask[1::2].sum()  # the microbatches weigh differently: a plain mean would differ
+    for a, b in zip(jax.tree.leaves(states[2]), jax.tree.leaves(states[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+
+
+def test_bfloat16_compute_trains_float32_master_weights():
+    """training.compute_dtype=bfloat16 on the CPU: the step's matmuls run in bfloat16, the loss on the batch it
+    trains on falls, and the weights and Adam's moments stay float32."""
+    _, trainer, source = train_tiny.build(["training.compute_dtype=bfloat16", "training.steps=12",
+                                           "training.learning_rate=0.03"])  # fmt: skip
+    batch = source.batch(0)
+    placed = {k: to_global(v, trainer.batch_sharding) for k, v in batch.items()}
+    hlo = trainer._step.lower(trainer.initial_state, trainer.target_weights, placed).as_text()
+    assert re.search(r"dot_general.*bf16", hlo)
+    state, losses = trainer.initial_state, []
+    for _ in range(12):
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.3 and all(np.isfinite(losses)), losses
+    assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.float32)}
+    adam = state["opt_state"][1][0]
+    assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {jnp.dtype(jnp.float32)}
 
 
 # -- 4. two processes --------------------------------------------------------------------------------------------
@@ -105,21 +142,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_one(tmp_path, single_device_losses):
-    """jax.distributed on localhost with gloo CPU collectives, one device per process, mesh data=2: the same losses
-    as one device; checkpoints and metrics are written once, and both processes export the same head."""
-    port = _free_port()
-    workers = [_script("train_multiprocess.py", port, 2, i, tmp_path) for i in range(2)]
-    outs = [_finish(p) for p in workers]
+def test_two_processes_equal_one_and_resume_exactly_after_sigkill(tmp_path, single_device_losses):
+    """jax.distributed on localhost with gloo CPU collectives, one device per process, mesh data=2, each process
+    building only its own rows of every batch: both processes are SIGKILLed after step 4 (checkpoint 3 on disk), two
+    new ones resume at step 4 and finish step 6. The losses are one device's; checkpoints and metrics are written
+    once, without duplicate steps, and both processes export the same head."""
+
+    def pair(*args):
+        port = _free_port()
+        return [_script("train_multiprocess.py", port, 2, i, tmp_path, 6, *args) for i in range(2)]
+
+    def losses(lines):
+        return {int(line.split()[1]): float(line.split()[2]) for line in lines if line.startswith("loss ")}
+
+    victims, seen = pair("--hang-after=4"), []
+    try:
+        for victim in victims:
+            seen.append([])
+            for line in victim.stdout:
+                if line.strip() == "hanging":
+                    break
+                seen[-1].append(line)
+            else:
+                pytest.fail(f"the run ended before step 4: {victim.stderr.read()[-3000:]}")
+    finally:
+        for victim in victims:
+            victim.kill()
+            victim.communicate()
+    assert [victim.returncode for victim in victims] == [-signal.SIGKILL] * 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
+    outs = [_finish(p) for p in pair()]
 
     def field(out, name):
         return json.loads(next(line for line in out.splitlines() if line.startswith(name + " "))[len(name) + 1 :])
 
-    for out in outs:
-        np.testing.assert_allclose(field(out, "losses"), single_device_losses, rtol=1e-5)
+    for before, after in zip(seen, outs):
+        assert sorted(losses(before)) == [1, 2, 3, 4] and sorted(losses(after.splitlines())) == [4, 5, 6]
+        found = losses(before) | losses(after.splitlines())
+        np.testing.assert_allclose([found[s] for s in range(1, 7)], single_device_losses[:6], rtol=1e-5)
+        assert losses(before)[4] == losses(after.splitlines())[4]  # the resumed step 4 is the killed run's, exactly
     assert field(outs[0], "head") == field(outs[1], "head")
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
-    assert [m["step"] for m in _metrics(tmp_path)] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "6"]
+    assert [m["step"] for m in _metrics(tmp_path)] == list(range(1, 7))
 
 
 # -- 5. SIGKILL and resume ---------------------------------------------------------------------------------------

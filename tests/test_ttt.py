@@ -1,4 +1,5 @@
-"""The TTT loss against an independent, row-by-row implementation; lean vs dense cross-step attention; memory."""
+"""The TTT loss against an independent, row-by-row implementation; lean vs dense cross-step attention; remat and
+memory."""
 
 import jax
 import jax.numpy as jnp
@@ -146,8 +147,8 @@ def test_lean_attention_equals_dense(n_steps):
     key = jax.random.key(n_steps)
     kq, kk, kv, kw = jax.random.split(key, 4)
     q = jax.random.normal(kq, (B, T, Kh, G, Hd))
-    keys = list(jax.random.normal(kk, (n_steps, B, T, Kh, Hd)) * 2)
-    values = list(jax.random.normal(kv, (n_steps, B, T, Kh, Hd)))
+    keys = jax.random.normal(kk, (n_steps, B, T, Kh, Hd)) * 2
+    values = jax.random.normal(kv, (n_steps, B, T, Kh, Hd))
     segments = np.repeat([[1, 1, 1, 2, 2, 2, 2, 3, 3]], B, axis=0)
     seen = jnp.asarray((segments[:, :, None] == segments[:, None, :]) & np.tri(T, dtype=bool))
     lean = jax.jit(ttt_attention)(q, keys, values, seen)
@@ -164,7 +165,7 @@ def test_lean_attention_equals_dense(n_steps):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-def _temp_bytes(attention, K: int, T: int = 256) -> int:
+def _temp_bytes(attention, K: int, T: int = 256, remat: bool = False) -> int:
     """Temporary memory of the compiled loss+grad, from XLA's memory analysis (not timed)."""
     head = make_head(draft_vocab=32)
     graphdef, params, rest = nnx.split(head, nnx.Param, ...)
@@ -176,30 +177,43 @@ def _temp_bytes(attention, K: int, T: int = 256) -> int:
 
     def loss(params, rows, taps, logits):
         h = nnx.merge(graphdef, params, rest)
-        return ttt_loss(h, jnp.asarray(embed), rows, taps, logits, K, 0.8, attention=attention)[0]
+        return ttt_loss(h, jnp.asarray(embed), rows, taps, logits, K, 0.8, attention=attention, remat=remat)[0]
 
     compiled = jax.jit(jax.value_and_grad(loss)).lower(params, rows, taps, logits).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_peak_memory_linear_in_k_for_lean_attention_quadratic_for_dense(record_property):
-    ks = (2, 3, 4)
-    lean = [_temp_bytes(ttt_attention, k) for k in ks]
-    dense = [_temp_bytes(dense_ttt_attention, k) for k in ks]
-    record_property("temp_bytes_lean", lean)
-    record_property("temp_bytes_dense", dense)
-    print(f"temp bytes, T=256, K={ks}: lean {lean}, dense {dense}")
-    # Fit temp = a + b K + c K^2 through the three points: c is the second divided difference. One set of
-    # [T, T] float32 attention scores (per head, batch 1) is the unit: the dense mask's scores for step k cover
-    # (k + 1) T^2, so its total is quadratic in K; the lean attention keeps one T^2 block per step.
-    block = 4 * 256 * 256 * 4  # 4 query heads x T x T x float32
+def test_remat_keeps_one_steps_attention_scores_at_a_time(record_property):
+    """XLA's memory analysis of the compiled loss+grad, T = 256: without remat the backward pass keeps every step's
+    [T, T] attention scores; with remat it holds one step's at a time, so the lean attention's temporaries stay flat
+    in K while the dense attention's grow with its last step's (k + 1) T^2 scores."""
+    block = 4 * 256 * 256 * 4  # one set of [T, T] float32 scores: 4 query heads x T x T x float32, batch 1
+    ks = (2, 4)
+    lean = [_temp_bytes(ttt_attention, k) / block for k in ks]
+    lean_remat = [_temp_bytes(ttt_attention, k, remat=True) / block for k in ks]
+    dense_remat = [_temp_bytes(dense_ttt_attention, k, remat=True) / block for k in ks]
+    record_property("temp_blocks", {"lean": lean, "lean_remat": lean_remat, "dense_remat": dense_remat})
+    print(f"temporaries in [T, T] blocks, K={ks}: lean {lean}, with remat {lean_remat}, dense with remat {dense_remat}")
+    assert lean[1] - lean[0] > 2 * (ks[1] - ks[0])  # at least two blocks per step kept
+    assert lean_remat[1] - lean_remat[0] < 1 and lean_remat[1] < 0.5 * lean[1]
+    assert dense_remat[1] - dense_remat[0] > ks[1] - ks[0] and lean_remat[1] < dense_remat[1]
 
-    def quadratic(m):
-        return ((m[2] - m[1]) / (ks[2] - ks[1]) - (m[1] - m[0]) / (ks[1] - ks[0])) / (ks[2] - ks[0])
 
-    assert abs(quadratic(lean)) < 0.05 * block, (lean, quadratic(lean) / block)
-    assert quadratic(dense) > 0.5 * block, (dense, quadratic(dense) / block)
-    # Linear: the same increment per step in K (2->3, then 3->4).
-    slopes = [(lean[i + 1] - lean[i]) / (ks[i + 1] - ks[i]) for i in range(2)]
-    assert 0.85 < slopes[1] / slopes[0] < 1.15, lean
-    assert all(a < b for a, b in zip(lean, dense)) and lean[2] / dense[2] < lean[0] / dense[0]  # the gap widens
+def test_remat_gives_the_same_loss_and_gradients():
+    """jax.checkpoint around each unrolled step: the loss, metrics and gradients are those without it."""
+    head = make_head(draft_vocab=6)
+    inputs = make_inputs(2, 12, vocab_ids=np.asarray(head.target_ids_of_draft_vocab()))
+    embed, rows, taps, Z = jax.tree.map(jnp.asarray, inputs)
+    graphdef, params, rest = nnx.split(head, nnx.Param, ...)
+
+    def run(remat):
+        def loss(params):
+            return ttt_loss(nnx.merge(graphdef, params, rest), embed, rows, taps, Z, 4, 0.8, remat=remat)
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (total, aux), grads = run(False)
+    (total_r, aux_r), grads_r = run(True)
+    np.testing.assert_allclose(float(total_r), float(total), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves((aux_r, grads_r)), jax.tree.leaves((aux, grads)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

@@ -1,12 +1,17 @@
-"""Run as a script with 8 fake CPU devices: the first 3 training losses on meshes data x fsdp x tensor.
+"""Run as a script with 8 fake CPU devices: the first training losses on meshes data x fsdp x tensor, the target
+loaded from its files straight onto the mesh (training.features=online).
 
-Usage: python tests/train_sharded.py D,F,T [D,F,T ...]   prints one line "losses D F T [l1, l2, l3]" per mesh, after
-asserting that the weights (when fsdp or tensor > 1) and the batches really are split over devices.
+Usage: python tests/train_sharded.py STEPS D,F,T[,N] ...   prints one line "losses D F T [l1, ...]" per mesh (N:
+training.grad_accumulation, 1 by default),
+after asserting that the target stays as loaded (no second copy), that the target's and the head's weights (when
+fsdp or tensor > 1) and the batches really are split over devices, and that the loaded target decodes there (what
+the regenerate and evaluate stages do with it) the greedy tokens of the unsharded one.
 """
 
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -17,24 +22,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import train_tiny  # noqa: E402
 
+from specjax.decoding.autoregressive import generate  # noqa: E402
+from specjax.io.hf import load_hf, save_hf  # noqa: E402
+from specjax.sharding import make_mesh  # noqa: E402
 
-def main(data: int, fsdp: int, tensor: int) -> None:
+
+def main(folder: Path, steps: int, data: int, fsdp: int, tensor: int, microbatches: int = 1) -> None:
     assert len(jax.devices()) == 8, jax.devices()
-    _, trainer, source = train_tiny.build(mesh_axes={"data": data, "fsdp": fsdp, "tensor": tensor})
+    axes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    _, loaded = load_hf(folder, mesh=make_mesh(axes))  # each tensor read into its shards
+    overrides = [f"training.grad_accumulation={microbatches}"]
+    _, trainer, source = train_tiny.build(overrides, mesh_axes=axes, target_weights=loaded)
+    assert all(a is b for a, b in zip(jax.tree.leaves(trainer.target_weights), jax.tree.leaves(loaded)))
     params = trainer.initial_state["params"]
     split = sorted(k for k, p in params.items() if not p.sharding.is_fully_replicated)
     if fsdp * tensor > 1:  # the weights really are split over devices
         assert {"q", "fc", "gate", "lm_head"} <= set(split), split
-        assert not trainer.target_weights.layers.q.sharding.is_fully_replicated
+        q = trainer.target_weights.layers.q
+        assert q.addressable_shards[0].data.size * fsdp * tensor == q.size, q.sharding
         assert params["q"].addressable_shards[0].data.shape != params["q"].shape
         mu = trainer.initial_state["opt_state"][1][0].mu["q"]  # Adam's moments are split like the weights
         assert mu.sharding == params["q"].sharding, (mu.sharding, params["q"].sharding)
     assert not trainer.batch_sharding.is_fully_replicated
-    losses = train_tiny.first_losses(trainer, source, 3)
+    losses = train_tiny.first_losses(trainer, source, steps)
     compact = json.dumps(losses, separators=(",", ":"))
     print("losses", data, fsdp, tensor, compact, "split:", ",".join(split), flush=True)
+    cfg, whole = train_tiny.target()
+    prompts = [[1, 5, 9], [7, 3, 2, 8, 4], [11], [30, 31, 32, 33]]
+    sharded, unsharded = ([c.output_ids for c in generate(w, cfg, prompts, max_new_tokens=6).completions]
+                          for w in (loaded, whole))  # fmt: skip
+    assert sharded == unsharded, (sharded, unsharded)
 
 
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        main(*map(int, arg.split(",")))
+    with tempfile.TemporaryDirectory() as work:
+        save_hf(work, *train_tiny.target())
+        for arg in sys.argv[2:]:
+            main(Path(work), int(sys.argv[1]), *map(int, arg.split(",")))

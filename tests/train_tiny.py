@@ -65,8 +65,9 @@ def config(overrides: Sequence[str] = ()):
     return load_config(None, [*BASE_OVERRIDES, *overrides])
 
 
-def build(overrides: Sequence[str] = (), mesh_axes: dict | None = None, devices=None):
-    """(TrainConfig, Trainer, BatchSource) of the tiny setup; the mesh defaults to the config's."""
+def build(overrides: Sequence[str] = (), mesh_axes: dict | None = None, devices=None, target_weights=None):
+    """(TrainConfig, Trainer, BatchSource) of the tiny setup; the mesh defaults to the config's, the target's weights
+    to `target()`'s (given, e.g. loaded onto the mesh, they must be those)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -79,6 +80,7 @@ def build(overrides: Sequence[str] = (), mesh_axes: dict | None = None, devices=
 
     cfg = config(overrides)
     target_cfg, weights = target()
+    weights = weights if target_weights is None else target_weights
     data = samples()
     d2t, t2d, _ = draft_vocab(data, VOCAB, cfg.model.draft_vocab_size)
     head_cfg = Eagle3Config.default_for(target_cfg, cfg.model.draft_vocab_size)
@@ -105,7 +107,7 @@ def first_losses(trainer, source, steps: int) -> list[float]:
 
     state, losses = trainer.initial_state, []
     for step in range(steps):
-        state, metrics = trainer.step(state, source.batch(step))
+        state, metrics = trainer.step(state, source.batch(step, trainer.local_rows))
         losses.append(float(np.asarray(metrics["loss"])))
     return losses
 

@@ -76,9 +76,11 @@ class BatchSource:
     def __len__(self) -> int:
         return len(self.rows["tokens"])
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        """The global batch of `step`: every row array, [batch_size, ...]."""
+    def batch(self, step: int, part: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The global batch of `step`: every row array, [batch_size, ...]; or only its rows `part` (a process's)."""
         epoch, index = divmod(step, self.batches_per_epoch)
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self))
         picked = np.sort(order[index * self.batch_size : (index + 1) * self.batch_size])
+        if part is not None:
+            picked = picked[part]
         return {key: value[picked] for key, value in self.rows.items()}

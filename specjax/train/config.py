@@ -27,6 +27,8 @@ DRAFTERS = {
     "dflash": {"dflash.mask_token_id": "a token id the target never writes (an unused special token)"},
 }
 
+COMPUTE_DTYPES = ("auto", "bfloat16", "float32")  # training.compute_dtype's values
+
 # The evaluate stage's drafting with an EAGLE-3 head: a chain of EVAL_DRAFT_TOKENS drafts, and the tree EVAL_TREE
 # ("depth,topk,budget", `specjax.drafters.tree.TreeSpec.parse`).
 EVAL_DRAFT_TOKENS = 5
@@ -133,6 +135,15 @@ class TrainingSection:
     grad_clip: float = 0.5
     ttt_length: int = 7  # training-time-test unroll K
     step_decay: float = 0.8  # loss weight of unroll step k is step_decay**k
+    # Recompute each TTT step's activations (its [B, N, T, T] attention scores) in the backward pass instead of
+    # keeping all K steps' (EAGLE-3): the same loss and gradients in less memory, for about one more forward.
+    remat: bool = True
+    # Microbatches per step: batch_size / N rows each, their gradients summed into one optimizer update per step
+    # (EAGLE-3; the same update as one batch, up to float rounding).
+    grad_accumulation: int = 1
+    # The dtype of the forward and backward passes: "bfloat16", "float32", or "auto" (bfloat16 on GPU and TPU,
+    # float32 on the CPU). The weights, their gradients and Adam's moments stay float32.
+    compute_dtype: str = "auto"
     seed: int = 0
     stop_after: int | None = None  # end the train stage after this step, keeping the schedule of `steps`
 
@@ -211,8 +222,18 @@ class TrainConfig:
         for key, what in DRAFTERS[self.model.drafter].items():
             if self.get(key) is None:
                 raise InputError(f"{key} is required: {what}")
-        if self.training.features not in ("stored", "online"):
-            raise InputError(f"training.features must be 'stored' or 'online', got {self.training.features!r}")
+        t = self.training
+        if t.features not in ("stored", "online"):
+            raise InputError(f"training.features must be 'stored' or 'online', got {t.features!r}")
+        if t.compute_dtype not in COMPUTE_DTYPES:
+            raise InputError(f"training.compute_dtype must be {', '.join(COMPUTE_DTYPES)}; got {t.compute_dtype!r}")
+        if t.batch_size % t.grad_accumulation:
+            raise InputError(
+                f"training.batch_size={t.batch_size} does not split into training.grad_accumulation="
+                f"{t.grad_accumulation} microbatches; make it a multiple"
+            )
+        if t.grad_accumulation > 1 and self.model.drafter != "eagle3":
+            raise InputError("training.grad_accumulation applies to EAGLE-3 heads (model.drafter: eagle3) only")
 
     def get(self, key: str) -> Any:
         """The value of a dotted key, e.g. "training.learning_rate"."""
@@ -246,6 +267,7 @@ _RANGES = {
         "data.num_prompts", "data.max_prompt_tokens", "data.max_new_tokens", "data.batch_size",
         "model.draft_vocab_size", "synthesize.max_tokens", "synthesize.batch_size", "synthesize.max_generations",
         "training.steps", "training.batch_size", "training.seq_len", "training.ttt_length", "training.stop_after",
+        "training.grad_accumulation",
         "evaluation.num_prompts", "evaluation.max_new_tokens", "evaluation.batch_size",
         "checkpoint.every", "checkpoint.keep", "logging.every", "dflash.num_layers", "dflash.num_anchors",
     ),

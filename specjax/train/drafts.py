@@ -21,7 +21,7 @@ from specjax.models.eagle3 import Eagle3Head, param_specs
 from specjax.models.llama import Weights, head_rows, lm_logits
 from specjax.train.config import DFlashSection, TrainingSection
 from specjax.train.dflash_loss import block_loss, pick_anchors
-from specjax.train.ttt import ttt_loss
+from specjax.train.ttt import ttt_counts, ttt_loss
 
 
 class Eagle3Training:
@@ -38,14 +38,22 @@ class Eagle3Training:
         return jax.tree_util.tree_map_with_path(lambda path, _: by_name[path[0].key], self.params)
 
     def head(self, params: Any) -> Eagle3Head:
-        return nnx.merge(self.graphdef, params, self.buffers)
+        """The head with these weights, computing in their dtype."""
+        head = nnx.merge(self.graphdef, params, self.buffers)
+        head.dtype = head.fc[...].dtype
+        return head
 
-    def loss(self, params, target_weights: Weights, rows: dict, features: jax.Array, step: jax.Array):
+    def totals(self, rows: dict) -> jax.Array:
+        """What the loss of a part of `rows` is divided by so that the parts' losses add up to the whole's."""
+        return ttt_counts(rows, self.training.ttt_length)
+
+    def loss(self, params, target_weights: Weights, rows: dict, features: jax.Array, step: jax.Array, totals):
         head = self.head(params)
         D = self.target_cfg.hidden_size
         logits = lm_logits(target_weights, self.target_cfg, features[..., -D:], head.target_ids_of_draft_vocab())
         t = self.training
-        return ttt_loss(head, target_weights.embed, rows, features[..., :-D], logits, t.ttt_length, t.step_decay)
+        return ttt_loss(head, target_weights.embed, rows, features[..., :-D], logits, t.ttt_length, t.step_decay,
+                        remat=t.remat, counts=totals)  # fmt: skip
 
     def export(self, params) -> Eagle3Head:
         return self.head(params)
@@ -71,7 +79,11 @@ class DFlashTraining:
     def specs(self) -> DFlashWeights:
         return weight_specs_of(self.cfg)
 
-    def loss(self, params: DFlashWeights, target_weights: Weights, rows: dict, features: jax.Array, step: jax.Array):
+    def totals(self, rows: dict) -> None:
+        """None: a DFlash step is one batch (training.grad_accumulation is EAGLE-3's)."""
+
+    def loss(self, params: DFlashWeights, target_weights: Weights, rows: dict, features: jax.Array, step: jax.Array,
+             totals: None):  # fmt: skip
         D = self.target_cfg.hidden_size
         w = dataclasses.replace(params, vocab_ids=None if self.vocab_ids is None else jnp.asarray(self.vocab_ids))
         anchors, ok = pick_anchors(rows, jax.random.fold_in(jax.random.key(self.seed), step), self.section.num_anchors)

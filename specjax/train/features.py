@@ -21,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from specjax.config import ModelConfig
+from specjax.decoding.batch import on_mesh, to_host
 from specjax.errors import InputError
 from specjax.host import write_file
 from specjax.models.kv_cache import KVCache
@@ -80,7 +81,7 @@ def compute_features(
     if manifest.exists() and json.loads(manifest.read_text()) != settings:
         raise InputError(f"{folder} holds features of other rows or layers; delete it to recompute them")
     write_file(manifest, json.dumps(settings))
-    run = jax.jit(lambda w, r: target_features(w, cfg, layers, r))
+    run = jax.jit(lambda w, r: target_features(w, cfg, layers, r).astype(jnp.bfloat16))
     chunks = -(-settings["rows"] // CHUNK_ROWS)
     todo = [i for i in range(chunks) if not _chunk_path(folder, i).exists()]
     with tqdm(todo, desc="features", unit="chunk", file=sys.stderr, disable=not todo) as bar:
@@ -89,7 +90,7 @@ def compute_features(
             n = len(chunk["tokens"])
             padded = {k: np.pad(v, [(0, -n % FORWARD_ROWS), (0, 0)]) for k, v in chunk.items()}
             parts = [
-                np.asarray(run(weights, {k: v[j : j + FORWARD_ROWS] for k, v in padded.items()}).astype(jnp.bfloat16))
+                to_host(run(*on_mesh((weights, {k: v[j : j + FORWARD_ROWS] for k, v in padded.items()}))))
                 for j in range(0, n, FORWARD_ROWS)
             ]
             if jax.process_index() == 0:  # one writer

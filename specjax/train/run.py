@@ -58,11 +58,11 @@ STAGES = ("synthesize", "regenerate", "vocab", "features", "train", "evaluate", 
 # The training sections bind only once the train stage has started.
 _DATA_SECTIONS = ("model", "data")
 # Training settings a resumed run may change: its length, the optimiser's schedule and clipping (the optimiser's
-# state carries over) and where the stored features are read. Everything else in `training`, `mesh` and the
-# kinds' own sections shapes the state or the data order.
+# state carries over), where the stored features are read, and how a step is computed (remat, microbatches, dtype).
+# Everything else in `training`, `mesh` and the kinds' own sections shapes the state or the data order.
 RESUMABLE_TRAINING_KEYS = (
     "steps", "stop_after", "epochs", "learning_rate", "warmup_steps", "final_lr_ratio", "grad_clip", "weight_decay",
-    "features_dir",
+    "features_dir", "remat", "grad_accumulation", "compute_dtype",
 )  # fmt: skip
 _TRAIN_SECTIONS = ("training", "mesh", *(kind.section for kind in DRAFT_KINDS.values() if kind.section))
 
@@ -146,10 +146,11 @@ def validate(cfg: TrainConfig, model: LoadedModel, stages: list[str]) -> None:
     if {"train", "evaluate", "export"} & set(stages):
         mesh = make_mesh(cfg.mesh.axes)
         replicas = mesh.shape["data"] * mesh.shape["fsdp"]
-        if cfg.training.batch_size % replicas:
+        n = cfg.training.grad_accumulation
+        if cfg.training.batch_size % (replicas * n):
             raise InputError(
                 f"training.batch_size={cfg.training.batch_size} does not divide over mesh data x fsdp = {replicas} "
-                "devices; make it a multiple"
+                f"devices{f' in each of {n} microbatches' if n > 1 else ''}; make it a multiple"
             )
     check_record(cfg)  # output_dir holds another run
 
@@ -361,7 +362,8 @@ def run(cfg: TrainConfig, stages: list[str]) -> None:
         raise InputError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)} or all")
     refuse_links_inside(cfg.output_path)
     start_distributed(cfg.distributed.coordinator, cfg.distributed.num_processes, cfg.distributed.process_id)
-    model = load_model(cfg.model.target)
+    # One copy of the target for every stage, each weight read straight into its shards on the run's mesh.
+    model = load_model(cfg.model.target, mesh=make_mesh(cfg.mesh.axes))
     validate(cfg, model, stages)
     with exclusive_output_dir(cfg.output_path) if jax.process_index() == 0 else contextlib.nullcontext():
         record_config(cfg)

@@ -33,19 +33,10 @@ from tqdm import tqdm
 from specjax.errors import CheckpointError, OutputError, SpecjaxError
 from specjax.host import append_text, write_file
 from specjax.models.llama import ArraySpec, Weights, weight_specs
-from specjax.sharding import DEFAULT_RULES, partition_spec
+from specjax.sharding import partition_spec
 from specjax.train.batches import ROW_KEYS, BatchSource
 from specjax.train.config import TrainConfig
 from specjax.train.features import feature_layers, target_features
-
-# Training adds FSDP: weights' model dimension over "fsdp", batches over data x fsdp.
-TRAIN_RULES = (
-    *((k, v) for k, v in DEFAULT_RULES if k != "batch"),
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("embed2", "fsdp"),
-    ("taps", "fsdp"),
-)
 
 
 class TrainingDiverged(SpecjaxError):
@@ -73,10 +64,24 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
 
 
+def compute_dtype(name: str) -> jnp.dtype:
+    """`training.compute_dtype`: bfloat16 or float32; "auto" is bfloat16 on GPU and TPU, float32 on the CPU."""
+    if name == "auto":
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    return jnp.dtype(name)
+
+
 def to_global(host: np.ndarray | jax.Array, sharding: NamedSharding) -> jax.Array:
     """Places an array that every process holds in full onto a (possibly multi-host) sharding."""
     host = np.asarray(host)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def placed(x: np.ndarray | jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`x` on `sharding`: as it is when it is there already (a target loaded onto the run's mesh), else `to_global`."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    return to_global(x, sharding)
 
 
 class Trainer:
@@ -87,19 +92,24 @@ class Trainer:
         self.feature_layers = feature_layers(draft.tap_layers, target_cfg)
         self.batch_keys = (*ROW_KEYS, "features") if cfg.training.features == "stored" else ROW_KEYS
         self.optimizer = make_optimizer(cfg)
+        self.compute_dtype = compute_dtype(cfg.training.compute_dtype)
 
         def shard(specs):
             return jax.tree.map(
-                lambda s: NamedSharding(mesh, partition_spec(s.axes, s.shape, mesh, TRAIN_RULES)),
+                lambda s: NamedSharding(mesh, partition_spec(s.axes, s.shape, mesh)),
                 specs,
                 is_leaf=lambda x: isinstance(x, ArraySpec),
             )
 
         target_shardings = shard(weight_specs(target_cfg))
-        self.target_weights = jax.tree.map(to_global, target_weights, target_shardings)
-        params = jax.tree.map(to_global, draft.params, shard(draft.specs()))
-        self.batch_sharding = NamedSharding(mesh, partition_spec(("batch", None), (cfg.training.batch_size, 1), mesh,
-                                                                 TRAIN_RULES))  # fmt: skip
+        self.target_weights = jax.tree.map(placed, target_weights, target_shardings)
+        # The master weights: float32, whatever the compute dtype.
+        params = jax.tree.map(lambda x, s: to_global(np.asarray(x, np.float32), s), draft.params, shard(draft.specs()))
+        B = cfg.training.batch_size
+        self.batch_sharding = NamedSharding(mesh, partition_spec(("batch", None), (B, 1), mesh))
+        # The rows of a global batch that this process's devices hold: the only ones it builds (`step`).
+        held = self.batch_sharding.addressable_devices_indices_map((B, 1)).values()
+        self.local_rows = np.unique(np.concatenate([np.arange(B)[index[0]] for index in held]))
         # Every leaf of the state lives on the mesh: Adam's moments shaped and sharded like the weights, scalars
         # (step counts) replicated. Left to themselves, jit puts constant outputs on one device, which a step over
         # several devices (or processes) refuses.
@@ -122,18 +132,33 @@ class Trainer:
             donate_argnums=0,
         )
 
-    def loss(self, params, target_weights: Weights, batch: dict, step: jax.Array):
-        """The draft's loss and metrics of one batch (stored features, or the frozen target run here)."""
+    def loss(self, params, target_weights: Weights, batch: dict, step: jax.Array, totals):
+        """The draft's loss and metrics of one (micro)batch (stored features, or the frozen target run here), in the
+        compute dtype; `totals`: the draft's divisors of the whole batch."""
+        params = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
         rows = {k: batch[k] for k in ROW_KEYS}
         if "features" in batch:
             features = batch["features"].astype(target_weights.embed.dtype)
         else:
             features = target_features(target_weights, self.target_cfg, self.feature_layers, rows)
-        return self.draft.loss(params, target_weights, rows, features, step)
+        return self.draft.loss(params, target_weights, rows, features, step, totals)
 
     def _train_step(self, state: dict, target_weights: Weights, batch: dict):
+        """One optimizer update from the summed gradients of `training.grad_accumulation` microbatches, run one
+        after another; microbatch m holds rows m, m + N, ..., so each device's rows feed every microbatch."""
+        n = self.cfg.training.grad_accumulation
+        args = state["step"], self.draft.totals({k: batch[k] for k in ROW_KEYS})
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
-        (loss, aux), grads = grad_fn(state["params"], target_weights, batch, state["step"])
+        parts = jax.tree.map(lambda x: x.reshape(-1, n, *x.shape[1:]).swapaxes(0, 1), batch)
+
+        def accumulate(sums, part):
+            (loss, aux), grads = grad_fn(state["params"], target_weights, part, *args)
+            return jax.tree.map(jnp.add, sums, (loss, aux, grads)), None
+
+        first = jax.tree.map(lambda x: x[0], parts)
+        shapes = jax.eval_shape(grad_fn, state["params"], target_weights, first, *args)
+        (loss, aux), grads = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        (loss, aux, grads), _ = jax.lax.scan(accumulate, (loss, aux, grads), parts)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(params)]))
@@ -141,8 +166,16 @@ class Trainer:
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def step(self, state: dict, batch: dict[str, np.ndarray]) -> tuple[dict, dict]:
-        placed = {k: to_global(v, self.batch_sharding) for k, v in batch.items()}
-        return self._step(state, self.target_weights, placed)
+        """One update from this process's rows (`local_rows`) of the global batch."""
+        rows = np.arange(self.cfg.training.batch_size)
+
+        def place(local: np.ndarray) -> jax.Array:
+            def device_rows(index):
+                return local[np.searchsorted(self.local_rows, rows[index[0]])]
+
+            return jax.make_array_from_callback((len(rows), *local.shape[1:]), self.batch_sharding, device_rows)
+
+        return self._step(state, self.target_weights, {k: place(v) for k, v in batch.items()})
 
     def export(self, state: dict):
         """The trained draft (`draft.export` of the weights), gathered to host memory."""
@@ -303,7 +336,7 @@ def train(
         try:
             t0 = time.perf_counter()
             for step in bar:
-                state, metrics = trainer.step(state, source.batch(step))
+                state, metrics = trainer.step(state, source.batch(step, trainer.local_rows))
                 host = jax.tree.map(lambda x: np.asarray(x).tolist(), jax.device_get(metrics))
                 if not (math.isfinite(host["loss"]) and host["param_max"] <= PARAM_LIMIT):  # NaN fails both
                     raise TrainingDiverged(_divergence_message(host, step + 1, manager.latest_step()))

@@ -13,6 +13,10 @@ Attention across steps (docs/eagle3-head.md, section 5): the query of step k at 
 earlier rows of its sample and the step-i keys (i = 1..k) of row t only. It is computed as (segment-)causal attention
 plus k per-row diagonal terms, so memory grows linearly in K; `dense_ttt_attention` is the straightforward [T, (k+1) T]
 mask version, for tests.
+
+The K steps run as one `lax.scan` (one compiled step body), the keys and values of the steps so far in [K, ...]
+buffers. With `remat`, each step is a `jax.checkpoint`: the backward pass recomputes one step's activations (its
+[B, N, T, T] attention scores, its draft-vocabulary log-probabilities) at a time instead of keeping all K steps'.
 """
 
 from __future__ import annotations
@@ -24,54 +28,64 @@ from specjax.models.eagle3 import Eagle3Head
 from specjax.train.batches import sample_causal_mask
 
 
-def shift_left(x: jax.Array, n: int) -> jax.Array:
-    """x[:, n:] zero-filled back to length T along axis 1."""
-    if n == 0:
-        return x
-    pad = jnp.zeros((x.shape[0], n, *x.shape[2:]), x.dtype)
-    return jnp.concatenate([x[:, n:], pad], axis=1)
+def shift_left(x: jax.Array, n: int | jax.Array) -> jax.Array:
+    """x[:, n:] zero-filled back to length T along axis 1 (n may be traced, 0 <= n <= T)."""
+    return jax.lax.dynamic_slice_in_dim(jnp.concatenate([x, jnp.zeros_like(x)], axis=1), n, x.shape[1], axis=1)
 
 
-def ttt_attention(q_btkgh: jax.Array, keys: list[jax.Array], values: list[jax.Array], mask_btt: jax.Array) -> jax.Array:
+def ttt_attention(
+    q_btkgh: jax.Array, keys: jax.Array, values: jax.Array, mask_btt: jax.Array, steps: int | jax.Array | None = None
+) -> jax.Array:
     """Attention of one TTT step: masked (causal within a sample) over the step-0 keys, plus the same row of every
     later step.
 
     Args:
       q_btkgh: queries of the current step [B, T, K, G, H].
-      keys: [k_0, ..., k_k], each [B, T, K, H] (k_0 from step 0, the rest one per later step).
+      keys: [n, B, T, K, H]: the step-0 keys, then one set per later step.
       values: likewise.
       mask_btt: bool [B, T, T], which step-0 rows each row sees (itself included).
+      steps: how many of the n sets the query sees, the first ones (may be traced); None: all.
     Returns:
       [B, T, K, G, H].
     """
     scale = q_btkgh.shape[-1] ** -0.5
     s0 = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, keys[0], preferred_element_type=jnp.float32) * scale
     s0 = jnp.where(mask_btt[:, None, None], s0, -jnp.inf)
-    diag = jnp.stack(
-        [jnp.einsum("btkgh,btkh->bkgt", q_btkgh, k, preferred_element_type=jnp.float32) * scale for k in keys[1:]]
-        or [jnp.full(s0.shape[:-1], -jnp.inf)]
-    )  # [n, B, K, G, T]
-    m = jnp.maximum(s0.max(-1), diag.max(0))
+    diag = jnp.einsum("btkgh,nbtkh->nbkgt", q_btkgh, keys[1:], preferred_element_type=jnp.float32) * scale
+    if steps is not None:
+        diag = jnp.where((jnp.arange(1, len(keys)) < steps)[:, None, None, None, None], diag, -jnp.inf)
+    m = jnp.maximum(s0.max(-1), diag.max(0, initial=-jnp.inf))
     p0, pd = jnp.exp(s0 - m[..., None]), jnp.exp(diag - m)
     denom = p0.sum(-1) + pd.sum(0)
-    dtype = values[0].dtype
+    dtype = values.dtype
     out = jnp.einsum("bkgts,bskh->btkgh", (p0 / denom[..., None]).astype(dtype), values[0])
-    if len(values) > 1:
-        out += jnp.einsum("nbkgt,nbtkh->btkgh", (pd / denom).astype(dtype), jnp.stack(values[1:]))
-    return out
+    return out + jnp.einsum("nbkgt,nbtkh->btkgh", (pd / denom).astype(dtype), values[1:])
 
 
 def dense_ttt_attention(
-    q_btkgh: jax.Array, keys: list[jax.Array], values: list[jax.Array], mask_btt: jax.Array
+    q_btkgh: jax.Array, keys: jax.Array, values: jax.Array, mask_btt: jax.Array, steps: int | jax.Array | None = None
 ) -> jax.Array:
-    """Reference: concatenate all steps' keys and apply the [T, (k+1) T] TTT mask."""
-    B, T = mask_btt.shape[:2]
-    k_all, v_all = jnp.concatenate(keys, axis=1), jnp.concatenate(values, axis=1)
-    diagonal = jnp.broadcast_to(jnp.eye(T, dtype=bool), (B, T, T))
-    mask = jnp.concatenate([mask_btt] + [diagonal] * (len(keys) - 1), axis=-1)
+    """Reference: concatenate all steps' keys and apply the [T, n T] TTT mask."""
+    n, B, T = keys.shape[:3]
+    k_all, v_all = (jnp.concatenate(list(x), axis=1) for x in (keys, values))
+    seen = jnp.arange(1, n) < (n if steps is None else steps)
+    diagonal = jnp.eye(T, dtype=bool)[None, None] & seen[:, None, None, None]  # [n-1, 1, T, T]
+    mask = jnp.concatenate([mask_btt, *jnp.broadcast_to(diagonal, (n - 1, B, T, T))], axis=-1)
     s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_all, preferred_element_type=jnp.float32)
     p = jax.nn.softmax(jnp.where(mask[:, None, None], s * q_btkgh.shape[-1] ** -0.5, -jnp.inf), axis=-1)
     return jnp.einsum("bkgts,bskh->btkgh", p.astype(v_all.dtype), v_all)
+
+
+def ttt_counts(rows: dict[str, jax.Array], ttt_length: int) -> jax.Array:
+    """float32 [K]: the rows step k supervises (x[t+2+k] assistant content of t's sample), what its loss and
+    accuracy are divided by."""
+    return jnp.stack([_supervised(rows, k).sum() for k in range(ttt_length)])
+
+
+def _supervised(rows: dict[str, jax.Array], k: int | jax.Array) -> jax.Array:
+    """float32 [B, T]: 1 where step k's row t is supervised."""
+    same_sample = shift_left(rows["segments"], 2 + k) == rows["segments"]
+    return (shift_left(rows["loss_mask"], 2 + k) * same_sample).astype(jnp.float32)
 
 
 def ttt_loss(
@@ -83,6 +97,8 @@ def ttt_loss(
     ttt_length: int,
     step_decay: float,
     attention=ttt_attention,
+    remat: bool = False,
+    counts: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The TTT loss of one batch.
 
@@ -96,35 +112,39 @@ def ttt_loss(
       ttt_length: K, the number of unrolled steps.
       step_decay: weight of step k is step_decay**k.
       attention: the cross-step attention (memory-lean by default; `dense_ttt_attention` for tests).
+      remat: recompute each step's activations in the backward pass (the same values and gradients, in less memory).
+      counts: [K] `ttt_counts` of the whole batch when `rows` are a part of it (gradient accumulation: the parts'
+        losses and metrics then add up to the whole's); None: those of `rows`.
     Returns:
-      (weighted total loss, {"loss_k": [K], "acc_k": [K], "rows_k": [K] supervised rows per step}).
+      (weighted total loss, {"loss_k": [K], "acc_k": [K], "rows_k": [K] supervised rows per step of `rows`}).
     """
     cfg = head.cfg
-    tokens, segments = rows["tokens"], rows["segments"]
+    tokens = rows["tokens"]
     B, T = tokens.shape
-    seen_btt = sample_causal_mask(segments)
+    seen_btt = sample_causal_mask(rows["segments"])
     in_draft_vocab = head.t2d[...][tokens]
-    g = head.fuse(taps_btf)
-    keys, values, losses, accs, counted = [], [], [], [], []
-    for k in range(ttt_length):
-        q, key, value = head.qkv(
-            head.embed_tokens(shift_left(tokens, 1 + k), target_embed_vd), g, rows["positions"] + k
-        )
-        keys.append(key)
-        values.append(value)
+    divisor = jnp.maximum(ttt_counts(rows, ttt_length) if counts is None else counts, 1.0)
+
+    def step(carry, k):
+        """Step k: the previous step's output g and the keys and values so far in, this step's out."""
+        g, keys, values = carry
+        embeds = head.embed_tokens(shift_left(tokens, 1 + k), target_embed_vd)
+        q, key, value = head.qkv(embeds, g, rows["positions"] + k)
+        keys, values = keys.at[k].set(key), values.at[k].set(value)
         q = q.reshape(B, T, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
-        attn = attention(q, keys, values, seen_btt).reshape(B, T, cfg.num_heads, cfg.head_dim)
+        attn = attention(q, keys, values, seen_btt, k + 1).reshape(B, T, cfg.num_heads, cfg.head_dim)
         logits, g = head.readout(head.finish(g, attn))
-        logp = jax.nn.log_softmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         labels = jax.nn.softmax(shift_left(target_logits_btv, 1 + k).astype(jnp.float32), axis=-1)
-        same_sample = shift_left(segments, 2 + k) == segments
-        mask = (shift_left(rows["loss_mask"], 2 + k) * same_sample).astype(jnp.float32)
+        mask = _supervised(rows, k)
         supervised = mask * shift_left(in_draft_vocab, 2 + k)
-        n = jnp.maximum(mask.sum(), 1.0)
-        losses.append(jnp.sum(supervised * -jnp.sum(labels * logp, axis=-1)) / n)
         agree = jnp.argmax(logp, axis=-1) == jnp.argmax(labels, axis=-1)
-        accs.append(jnp.sum(supervised * agree) / n)
-        counted.append(mask.sum())
-    loss_k = jnp.stack(losses)
+        loss = jnp.sum(supervised * -jnp.sum(labels * logp, axis=-1)) / divisor[k]
+        return (g, keys, values), (loss, jnp.sum(supervised * agree) / divisor[k], mask.sum())
+
+    g = head.fuse(taps_btf)
+    buffer = jnp.zeros((ttt_length, B, T, cfg.num_kv_heads, cfg.head_dim), g.dtype)
+    body = jax.checkpoint(step) if remat else step
+    _, (loss_k, acc_k, rows_k) = jax.lax.scan(body, (g, buffer, buffer), jnp.arange(ttt_length))
     total = jnp.sum(loss_k * step_decay ** jnp.arange(ttt_length))
-    return total, {"loss_k": loss_k, "acc_k": jnp.stack(accs), "rows_k": jnp.stack(counted)}
+    return total, {"loss_k": loss_k, "acc_k": acc_k, "rows_k": rows_k}
