@@ -1,17 +1,20 @@
-"""A randomly initialised Llama-3-8B-shaped target on this device: memory plan, one-step latency, what verifying T
-tokens per row costs (T = K + 1 = 2..16 for chains, tree budgets up to 64), and autoregressive tokens/s against the
-memory-bandwidth roofline. Writes llama3-8b.json and llama3-8b.md to --out-dir.
+"""A randomly initialised Llama-3-8B-shaped target on this device, or split over a mesh of the devices present
+(`--mesh auto`): memory plan, one-step latency, what verifying T tokens per row costs (T = K + 1 = 2..16 for chains,
+tree budgets up to 64), and autoregressive tokens/s against the memory-bandwidth roofline (each device reading its
+share of the weights and of the KV cache). Writes llama3-8b.json and llama3-8b.md to --out-dir.
 
 Random weights decode at the speed of real ones: every step reads every weight and the KV written so far, whatever
 their values. `--tiny` shrinks the target (2 layers, hidden 256) so that the whole script runs on a CPU.
 
-Usage: python scripts/device_bench.py --out-dir OUT [--tiny] [--batches 1,8] [--context 512] [--max-new-tokens 128]
+Usage: python scripts/device_bench.py --out-dir OUT [--tiny] [--mesh auto] [--batches 1,8] [--context 512]
+       [--max-new-tokens 128]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -25,10 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.cli import common as cli  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.decoding.autoregressive import generate  # noqa: E402
+from specjax.host import device_memory  # noqa: E402
 from specjax.measure.bandwidth import device_bandwidth  # noqa: E402
-from specjax.measure.memory import check_fits, device_memory, memory_plan, weight_bytes  # noqa: E402
+from specjax.measure.memory import check_fits, memory_plan  # noqa: E402
 from specjax.measure.timing import forward_seconds  # noqa: E402
-from specjax.models.llama import init_weights  # noqa: E402
+from specjax.models.llama import init_weights, weight_bytes, weight_shardings  # noqa: E402
+from specjax.sharding import CACHE_AXES, mesh_for, parse_mesh, shard_fraction  # noqa: E402
 
 LLAMA3_8B = ModelConfig(
     "llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -49,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=cli.positive_ints, default=[1, 8], help="batch sizes of the decode (1,8)")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per row (512)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--mesh", default="none", help="none (one device), auto (every device) or data=D,tensor=T")
     return p
 
 
@@ -59,18 +65,24 @@ def main(argv=None) -> None:
     out_dir = cli.check_output_dir(args.out_dir)
     cfg = TINY if args.tiny else LLAMA3_8B
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16  # as specjax.io.loading.load_model
+    choice = None if args.mesh == "none" else "auto" if args.mesh == "auto" else parse_mesh(args.mesh)
+    mesh = mesh_for(choice, cfg.num_kv_heads)
+    sizes = dict(mesh.shape) if mesh is not None else None
     available = device_memory()
     plans = {
         b: check_fits(lambda rows: memory_plan(cfg, dtype, batch=rows, prompt_len=args.context,
-                                               max_new_tokens=args.max_new_tokens), b, available)
+                                               max_new_tokens=args.max_new_tokens, mesh=sizes), b, available)
         for b in args.batches
     }  # fmt: skip
     bandwidth, bandwidth_source = device_bandwidth()
     t0 = time.perf_counter()
-    weights = jax.block_until_ready(init_weights(cfg, jax.random.key(0), dtype))
+    # Each device draws its own shards: the whole target never lands on one device.
+    init = jax.jit(init_weights, static_argnums=(0, 2), out_shardings=mesh and weight_shardings(cfg, mesh))
+    weights = jax.block_until_ready(init(cfg, jax.random.key(0), dtype))
     init_s = time.perf_counter() - t0
-    size = weight_bytes(cfg, dtype)
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    size = weight_bytes(cfg, dtype, sizes)  # on each device
+    kv_split = shard_fraction(CACHE_AXES, (cfg.num_layers, 8, 1, cfg.num_kv_heads, cfg.head_dim), sizes or {})
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize / kv_split
 
     step_s, *verify_s = forward_seconds(weights, cfg, 1, args.context, (1, *VERIFY_TOKENS))
     verification = [{"tokens": t, "ms": 1000 * s, "target_steps": s / step_s} for t, s in zip(VERIFY_TOKENS, verify_s)]
@@ -80,7 +92,7 @@ def main(argv=None) -> None:
         prompts = rng.integers(0, cfg.vocab_size, (b, args.context)).tolist()
         result = generate(weights, cfg, prompts, max_new_tokens=args.max_new_tokens, eos_ids=())
         tokens_per_s = result.new_tokens / result.seconds
-        # Every step reads every weight once and, per row, the KV of the context so far (taken at mid-decode).
+        # Every step reads each device's weights once and, per row, its KV of the context so far (at mid-decode).
         step_bytes = size + b * (args.context + args.max_new_tokens // 2) * kv_per_token
         roofline = b * bandwidth / step_bytes
         decoding.append({
@@ -93,10 +105,10 @@ def main(argv=None) -> None:
     report = {
         "config": {
             "target": "tiny" if args.tiny else "llama3-8b-shaped (random weights)", "model": repr(cfg),
-            "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind, "context": args.context,
-            "max_new_tokens": args.max_new_tokens, "weight_bytes": size, "bandwidth_bytes_per_s": bandwidth,
-            "bandwidth_source": bandwidth_source, "device_memory_bytes": available, "init_seconds": init_s,
-            "date": time.strftime("%Y-%m-%d"),
+            "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind, "mesh": sizes,
+            "context": args.context, "max_new_tokens": args.max_new_tokens, "weight_bytes": size,
+            "bandwidth_bytes_per_s": bandwidth, "bandwidth_source": bandwidth_source, "device_memory_bytes": available,
+            "init_seconds": init_s, "date": time.strftime("%Y-%m-%d"),
         },
         "one_step_ms": 1000 * step_s,
         "verification": verification,
@@ -111,9 +123,10 @@ def main(argv=None) -> None:
 
 def markdown(report: dict) -> str:
     c = report["config"]
+    mesh = f" x {math.prod(c['mesh'].values())} ({c['mesh']})" if c["mesh"] else ""
     lines = [
-        f"{c['target']}, {c['dtype']}, on {c['device']}: weights {c['weight_bytes'] / 2**30:.2f} GiB, bandwidth "
-        f"{c['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s ({c['bandwidth_source']}), context {c['context']}.",
+        f"{c['target']}, {c['dtype']}, on {c['device']}{mesh}: weights {c['weight_bytes'] / 2**30:.2f} GiB a device, "
+        f"bandwidth {c['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s ({c['bandwidth_source']}), context {c['context']}.",
         "",
         f"One target step (batch 1): {report['one_step_ms']:.2f} ms.",
         "",

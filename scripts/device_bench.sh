@@ -3,8 +3,10 @@
 # its shipped drafts (bfloat16 on accelerators), modes ar, ngram, eagle3-chain (5 and 2), eagle3-tree and dflash:8
 # at batch 1 and 8 (the breakdown's drafter ms: DFlash K = 8 against EAGLE-3 K = 2);
 # then a random Llama-3-8B-shaped target (scripts/device_bench.py): one-step latency, verification cost by tokens,
-# autoregressive tokens/s against the bandwidth roofline. JSON and Markdown tables go to OUT (default
-# device_bench_out). SHRINK=1 shrinks the 8B-shaped target so that the script also runs on a CPU.
+# autoregressive tokens/s against the bandwidth roofline, on one device and split over every device present; the
+# embedded model's EAGLE-3 tree decoding on a mesh of every device (greedy output checked against plain decoding);
+# and a short EAGLE-3 training run (configs/smoke.yaml) on the same devices. JSON and Markdown tables go to OUT
+# (default device_bench_out). SHRINK=1 shrinks the 8B-shaped target so that the script also runs on a CPU.
 #
 # Usage: scripts/device_bench.sh [OUT]      (PYTHON=path/to/python to choose the interpreter)
 set -euo pipefail
@@ -23,4 +25,14 @@ bench() {  # bench BATCH PROMPTS
 bench 1 6
 bench 8 16
 "$PYTHON" scripts/device_bench.py --out-dir "$OUT/llama3-8b" $TINY
-echo "wrote $OUT/smollm2-b1, $OUT/smollm2-b8, $OUT/llama3-8b" >&2
+DEVICES=$("$PYTHON" -c "import jax; print(jax.device_count())")
+if (( DEVICES > 1 )); then
+  "$PYTHON" scripts/device_bench.py --out-dir "$OUT/llama3-8b-mesh" --mesh auto $TINY
+fi
+PROMPTS=()
+for i in 1 2 3 4 5 6 7 8; do PROMPTS+=(--prompt "Write a Python function number $i of a small library for dates."); done
+"$PYTHON" -m specjax.cli.generate --mesh auto --drafter eagle3:smollm2-135m --tree 5,3,10 --compare-ar \
+  --batch-size 8 --max-new-tokens 64 "${PROMPTS[@]}" --json "$OUT/generate-mesh.json" > /dev/null
+"$PYTHON" -m specjax.cli.train --config configs/smoke.yaml output_dir="$OUT/train" \
+  training.batch_size=$((2 * DEVICES)) training.steps=8 checkpoint.every=8 logging.every=1
+echo "wrote $OUT/smollm2-b1, $OUT/smollm2-b8, $OUT/llama3-8b, $OUT/llama3-8b-mesh, $OUT/generate-mesh.json, $OUT/train" >&2

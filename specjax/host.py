@@ -162,3 +162,18 @@ def append_text(path: str | os.PathLike, text: str) -> None:
             f.write(text)
     except OSError as e:
         raise OutputError(f"cannot write {path}: {e.strerror}") from None
+
+
+GIB = 2**30
+
+
+def device_memory() -> int:
+    """Bytes the device can hold: its allocator's limit on a GPU or TPU, the machine's available RAM on the CPU."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"])
+    with open("/proc/meminfo", encoding="utf-8") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    return kib * 1024

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig
 from specjax.decoding.autoregressive import generate
 from specjax.io.hf import load_hf, save_hf
-from specjax.measure.memory import weight_bytes
-from specjax.models.llama import init_weights
+from specjax.models.llama import init_weights, weight_bytes
 from specjax.models.quantize import Int8Matrix, map_matrices
 
 MESH = {"data": 2, "tensor": 4}

@@ -18,6 +18,7 @@ from specjax.drafters import Eagle3Drafter
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.measure import memory as plan
+from specjax.models import llama
 from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
 from specjax.models.llama import init_weights
 from specjax.sampling import Sampling
@@ -118,6 +119,25 @@ def test_a_run_that_does_not_fit_is_refused_in_one_line(main, monkeypatch, capsy
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert "the device holds 0.04 GiB; a batch of" in err and "would fit" in err, err
+
+
+def test_weights_that_would_not_fit_are_refused_before_a_tensor_is_read(monkeypatch):
+    # Llama-3.1-8B's shapes, 14.96 GiB in bfloat16, against devices of 12 GiB: its int8 weights (7.97 GiB) would fit.
+    cfg = ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, max_position_embeddings=131072)
+    monkeypatch.setattr(llama, "device_memory", lambda: 12 * 2**30)
+    read = []
+    with pytest.raises(InputError, match=r"^8b: the weights need 14\.96 GiB on each device but one holds 12\.00 GiB; "
+                                         r"--quantize int8 would$"):  # fmt: skip
+        llama.weights_from_hf(cfg, read.append, jnp.bfloat16, source="8b")
+    assert read == []
+
+
+def test_generate_refuses_a_target_too_large_for_the_device_in_one_line(monkeypatch, capsys, tiny_folder):
+    monkeypatch.setattr(llama, "device_memory", lambda: 2**10)
+    with pytest.raises(SystemExit) as exit_info:
+        generate_cli.entry(["--model", str(tiny_folder), "--prompt", "Hi"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "the weights need" in err[0], err
 
 
 def test_generate_plan_prints_the_table_and_decodes_nothing(monkeypatch, capsys):

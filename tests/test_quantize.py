@@ -21,11 +21,10 @@ from specjax.decoding.autoregressive import generate as ar_generate
 from specjax.drafters import DFlashDrafter, Eagle3Drafter, LayerSkipDrafter
 from specjax.errors import InputError
 from specjax.io.loading import load_model
-from specjax.measure.memory import weight_bytes
 from specjax.models.dflash import DFlashConfig, init_dflash
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import forward, init_weights
+from specjax.models.llama import forward, init_weights, weight_bytes
 from specjax.models.quantize import CONTRACTED, LAYER_MATRICES, Int8Matrix, dequantize, quantize_weights
 
 TIED = ModelConfig(

@@ -34,7 +34,6 @@ from specjax.evalsets import chat_prompts, humaneval_prompts
 from specjax.host import machine, status, write_file
 from specjax.io.loading import LoadedModel
 from specjax.measure.bandwidth import device_bandwidth
-from specjax.measure.memory import weight_bytes
 from specjax.measure.timing import (
     ForwardCosts,
     drafter_timer,
@@ -44,6 +43,7 @@ from specjax.measure.timing import (
     prefill_timer,
     round_breakdown,
 )
+from specjax.models.llama import weight_bytes
 
 
 @dataclasses.dataclass

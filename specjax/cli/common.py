@@ -15,12 +15,12 @@ import jax.numpy as jnp
 
 from specjax.config import INT32_END, SamplingConfig
 from specjax.errors import InputError, OutputError, SpecjaxError
-from specjax.host import start_distributed, status, write_file
+from specjax.host import device_memory, start_distributed, status, write_file
 from specjax.io.jsonl import read_prompts_file
 from specjax.io.loading import load_model
 from specjax.io.tokenizer import Tokenizer
 from specjax.measure.calibration import CALIBRATION_DRAFT_TOKENS
-from specjax.measure.memory import MemoryPlan, check_fits, device_memory, memory_plan
+from specjax.measure.memory import MemoryPlan, check_fits, memory_plan
 from specjax.models.quantize import QUANTIZE_CHOICES, quantization
 from specjax.sharding import larger_meshes, mesh_of, parse_mesh
 

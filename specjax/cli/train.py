@@ -35,3 +35,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def entry(argv: Sequence[str] | None = None) -> None:
     cli.run(main, "specjax-train", argv)
+
+
+if __name__ == "__main__":
+    entry()

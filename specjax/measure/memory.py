@@ -16,7 +16,6 @@ the autoregressive loop, 7-9% under for the speculative one, whose XLA buffers h
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -29,11 +28,10 @@ from specjax.decoding.batch import prompt_bucket
 from specjax.drafters.base import Drafter
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
-from specjax.models.llama import ArraySpec, Weights, weight_specs
+from specjax.host import GIB
+from specjax.models.llama import Weights, weight_bytes
 from specjax.sampling import Sampling
 from specjax.sharding import CACHE_AXES, shard_fraction
-
-GIB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,21 +71,13 @@ def _nbytes(tree) -> int:
 
 
 def _device_nbytes(arrays) -> int:
-    """Bytes on one device of placed arrays: each array's shard where a mesh splits it."""
+    """Bytes on one device of placed arrays (or of `jax.ShapeDtypeStruct`s with shardings): each one's shard."""
 
     def shard(x) -> tuple[int, ...]:
-        return x.sharding.shard_shape(x.shape) if isinstance(x, jax.Array) else x.shape
+        sharding = getattr(x, "sharding", None)
+        return sharding.shard_shape(x.shape) if sharding is not None else x.shape
 
     return sum(math.prod(shard(x)) * jnp.dtype(x.dtype).itemsize for x in arrays)
-
-
-def weight_bytes(cfg: ModelConfig, dtype, mesh: Mapping[str, int] | None = None, quantize: str = "none") -> int:
-    """Bytes of the target's weights in `dtype` (`weight_specs`: tied heads, biases and q/k norms included; with
-    quantize "int8" its matrices' int8 values and their scales), on each device of a mesh of these axis sizes when
-    given (each weight split by its logical axes)."""
-    specs = jax.tree.leaves(weight_specs(cfg, quantize), is_leaf=lambda x: isinstance(x, ArraySpec))
-    split = (lambda s: shard_fraction(s.axes, s.shape, mesh)) if mesh else (lambda s: 1)
-    return sum(math.prod(s.shape) // split(s) * jnp.dtype(s.dtype or dtype).itemsize for s in specs)
 
 
 def forward_activations(
@@ -191,14 +181,16 @@ def _drafter_state_and_work(
     B = batch
     tokens = jax.ShapeDtypeStruct((B, prompt), jnp.int32)
     lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
-    state = jax.eval_shape(functools.partial(drafter.init, num_slots=slots), tokens, lengths)
+    # The drafter is an argument, not a constant, of what is traced: its arrays may be abstract (shapes alone).
+    state = jax.eval_shape(lambda d, *a: d.init(*a, num_slots=slots), drafter, tokens, lengths)
     taps = jax.ShapeDtypeStruct((B, prompt, len(drafter.traits.tap_layers) * cfg.hidden_size), dtype)
-    commit = jax.make_jaxpr(drafter.commit)(state, tokens, taps if drafter.traits.tap_layers else None, lengths)
-    propose = jax.make_jaxpr(
-        functools.partial(
-            drafter.propose, shape=shape, vocab_size=cfg.vocab_size, sampling=Sampling.of(SamplingConfig(), B)
-        )
-    )(state, jax.ShapeDtypeStruct((B, slots), jnp.int32), lengths, jax.random.key(0))
+    commit = jax.make_jaxpr(lambda d, *a: d.commit(*a))(
+        drafter, state, tokens, taps if drafter.traits.tap_layers else None, lengths
+    )
+    sampling = Sampling.of(SamplingConfig(), B)
+    propose = jax.make_jaxpr(lambda d, *a: d.propose(*a, shape=shape, vocab_size=cfg.vocab_size, sampling=sampling))(
+        drafter, state, jax.ShapeDtypeStruct((B, slots), jnp.int32), lengths, jax.random.key(0)
+    )
     return state, max(_largest_value(commit.jaxpr), _largest_value(propose.jaxpr))
 
 
@@ -217,18 +209,6 @@ def _largest_value(jaxpr: jax_core.Jaxpr) -> int:
                 elif isinstance(sub, jax_core.Jaxpr):
                     largest = max(largest, _largest_value(sub))
     return largest
-
-
-def device_memory() -> int:
-    """Bytes the device can hold: its allocator's limit on a GPU or TPU, the machine's available RAM on the CPU."""
-    device = jax.devices()[0]
-    if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        if "bytes_limit" in stats:
-            return int(stats["bytes_limit"])
-    with open("/proc/meminfo", encoding="utf-8") as f:
-        kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    return kib * 1024
 
 
 def check_fits(

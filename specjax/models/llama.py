@@ -8,7 +8,8 @@ G query heads per kv head, H head dim, F MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -16,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig, RopeScaling
-from specjax.errors import CheckpointError
+from specjax.errors import CheckpointError, InputError
+from specjax.host import GIB, device_memory
 from specjax.models.kv_cache import KVCache
 from specjax.models.quantize import (
     CONTRACTED,
@@ -27,7 +29,7 @@ from specjax.models.quantize import (
     quantize_matrix,
     weight_einsum,
 )
-from specjax.sharding import DEFAULT_RULES, MeshChoice, mesh_for, named_sharding, place
+from specjax.sharding import DEFAULT_RULES, MeshChoice, larger_meshes, mesh_for, named_sharding, place, shard_fraction
 
 
 @jax.tree_util.register_dataclass
@@ -148,6 +150,33 @@ def shard_weights(weights: Weights, cfg: ModelConfig, mesh: jax.sharding.Mesh, r
     return place(weights, weight_specs(cfg, quantization(weights)), mesh, rules)
 
 
+def weight_bytes(cfg: ModelConfig, dtype, mesh: Mapping[str, int] | None = None, quantize: str = "none") -> int:
+    """Bytes of the target's weights in `dtype` (`weight_specs`: tied heads, biases and q/k norms included; with
+    quantize "int8" its matrices' int8 values and their scales), on each device of a mesh of these axis sizes when
+    given (each weight split by its logical axes)."""
+    specs = jax.tree.leaves(weight_specs(cfg, quantize), is_leaf=lambda x: isinstance(x, ArraySpec))
+    split = (lambda s: shard_fraction(s.axes, s.shape, mesh)) if mesh else (lambda s: 1)
+    return sum(math.prod(s.shape) // split(s) * jnp.dtype(s.dtype or dtype).itemsize for s in specs)
+
+
+def check_weights_fit(cfg: ModelConfig, dtype, mesh: jax.sharding.Mesh | None, quantize: str, source: str) -> None:
+    """Refuses, before a tensor is read, weights that alone exceed a device's memory: InputError naming the first
+    larger mesh of the devices there are (`specjax.sharding.larger_meshes`) or the int8 weights that would fit."""
+    sizes = dict(mesh.shape) if mesh is not None else None
+    need, available = weight_bytes(cfg, dtype, sizes, quantize), device_memory()
+    if need <= available:
+        return
+    used = mesh.size if mesh is not None else 1
+    fits = [m for m in larger_meshes(used, len(jax.devices())) if weight_bytes(cfg, dtype, m, quantize) <= available]
+    advice = [f"--mesh {','.join(f'{a}={n}' for a, n in fits[0].items())} would hold them"] if fits else []
+    if quantize == "none" and weight_bytes(cfg, dtype, sizes, "int8") <= available:
+        advice.append("--quantize int8 would")
+    raise InputError(
+        f"{source}: the weights need {need / GIB:.2f} GiB on each device but one holds {available / GIB:.2f} GiB; "
+        + (", or ".join(advice) if advice else "no mesh of the devices here holds them: run on more devices")
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Conversion from the HF naming and [out, in] layout. Every loader (safetensors, GGUF, converted cache) lands here.
 
@@ -238,16 +267,18 @@ def weights_from_hf(
       quantize: "int8" quantizes each matrix on the host as it is read, before it is placed
         (`specjax.models.quantize`); "none" keeps them in `dtype`.
     Returns:
-      The Weights. Raises CheckpointError naming any missing or mis-shaped tensor.
+      The Weights. Raises CheckpointError naming any missing or mis-shaped tensor, and InputError before reading
+      any when the weights would not fit the devices (`check_weights_fit`).
     """
     D = cfg.hidden_size
     fetch = hf_fetcher(get, source)
     specs = weight_specs(cfg, quantize)
     on = mesh_for(mesh, cfg.num_kv_heads)
+    check_weights_fit(cfg, dtype, on, quantize, source)
     shardings = weight_shardings(cfg, on, quantize=quantize) if on is not None else None
 
     def placer(spec_of: Callable[[Weights], object]):
-        def place(field: str, w: np.ndarray) -> jax.Array | Int8Matrix:
+        def put(field: str, w: np.ndarray) -> jax.Array | Int8Matrix:
             spec = getattr(spec_of(specs), field)
             if isinstance(spec, Int8Matrix):
                 _check_shape(spec.values, w)
@@ -259,7 +290,7 @@ def weights_from_hf(
                 return jax.tree.map(jax.device_put, w)
             return jax.tree.map(jax.device_put, w, getattr(spec_of(shardings), field))
 
-        return place
+        return put
 
     top = placer(lambda tree: tree)
     return Weights(
