@@ -214,8 +214,8 @@ def total_variation(a, b):
     [
         ("chain", SamplingConfig(temperature=1.0)),
         ("tree", SamplingConfig(temperature=1.0)),
-        ("tree", SamplingConfig(temperature=0.8, top_k=5, top_p=0.9)),
-        ("lookup", SamplingConfig(temperature=1.0)),
+        pytest.param("tree", SamplingConfig(temperature=0.8, top_k=5, top_p=0.9), marks=pytest.mark.slow),
+        pytest.param("lookup", SamplingConfig(temperature=1.0), marks=pytest.mark.slow),
         ("lookup-longer", SamplingConfig(temperature=1.0)),
     ],
 )
@@ -257,6 +257,7 @@ def draw_from_the_target_after_rejections(monkeypatch):
     monkeypatch.setattr(acceptance, "residual_probs", lambda target_probs, draft_probs: target_probs)
 
 
+@pytest.mark.slow  # the chain's broken-rule control (test_speculative.py) runs in CI
 def test_wrong_sibling_rule_misses_the_target_distribution(exact_joint, monkeypatch):
     """Drawing the correction from the target's distribution instead of the residual after rejections is biased."""
     draw_from_the_target_after_rejections(monkeypatch)

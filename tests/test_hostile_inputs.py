@@ -246,6 +246,7 @@ def test_written_files_never_follow_a_link(tmp_path):
     assert outside.read_text() == "precious"
 
 
+@pytest.mark.slow  # converts the embedded GGUF three times
 def test_a_gguf_conversion_the_cache_refuses_or_that_is_damaged_is_a_warning(tmp_path, monkeypatch, caplog):
     from specjax.io.gguf import converted_folder
     from specjax.io.loading import embedded_gguf, load_model

@@ -161,6 +161,7 @@ def test_generate_quantize_int8_runs_and_int4_is_one_line(tiny_folder, tmp_path,
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "int4" in err, err
 
 
+@pytest.mark.slow  # a subprocess on 8 fake devices
 def test_int8_weights_load_into_their_shards_and_decode_as_on_one_device(tmp_path):
     script = Path(__file__).with_name("mesh_quantize.py")
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True)

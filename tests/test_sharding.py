@@ -14,6 +14,7 @@ from specjax.errors import InputError
 from specjax.sharding import default_mesh_axes, make_mesh, mesh_for, parse_mesh, partition_spec, set_rows
 
 
+@pytest.mark.slow  # the mesh runs of every drafter below cover it in CI
 @pytest.mark.parametrize("data,tensor", [(1, 8), (2, 4)])
 def test_tensor_parallel_equals_single_device(data, tensor):
     script = Path(__file__).with_name("sharded_decode.py")
@@ -121,6 +122,7 @@ def test_set_rows_writes_what_a_per_row_scatter_writes():
     )
 
 
+@pytest.mark.slow  # two processes run in CI in the trainer's kill-and-resume test
 def test_generate_across_two_processes_gives_one_devices_tokens(tmp_path):
     """Two local processes of 4 fake devices each (jax.distributed on 127.0.0.1), one data=2,tensor=4 mesh: the EAGLE-3
     tree loop's greedy tokens are one device's; process 0 writes them."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,7 @@ import numpy as np
 
 from specjax.errors import InputError
 
-if TYPE_CHECKING:
-    from specjax.models.llama import Weights
+Weights = Any  # a `specjax.models.llama.Weights` (llama reads its matrices through this module)
 
 QUANTIZE_CHOICES = ("none", "int8")
 LAYER_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
