@@ -101,7 +101,7 @@ def test_a_run_that_does_not_fit_names_the_smallest_mesh_that_does():
     available = plan_at(4, {"data": 1, "tensor": 4}).total
     assert plan_at(4, {"data": 2, "tensor": 1}).total > available  # so the tensor=4 mesh is the first that fits
     with pytest.raises(InputError, match=r"a batch of \d would fit, or --mesh data=1,tensor=4 \(4 devices\) would$"):
-        plan.check_fits(plan_at, 4, available, larger_meshes(1, 8))
+        plan.check_fits(plan_at, 4, available, devices=8)
 
 
 @pytest.mark.parametrize("main", [generate_cli.entry, bench.entry])

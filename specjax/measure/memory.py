@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,7 @@ from specjax.errors import InputError
 from specjax.host import GIB
 from specjax.models.llama import Weights, weight_bytes
 from specjax.sampling import Sampling
-from specjax.sharding import CACHE_AXES, shard_fraction
+from specjax.sharding import CACHE_AXES, larger_meshes, shard_fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,17 +67,13 @@ class MemoryPlan:
 
 
 def _nbytes(tree) -> int:
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def _device_nbytes(arrays) -> int:
-    """Bytes on one device of placed arrays (or of `jax.ShapeDtypeStruct`s with shardings): each one's shard."""
+    """Bytes on one device of a tree's arrays (or `jax.ShapeDtypeStruct`s): each one's shard where it has a sharding."""
 
     def shard(x) -> tuple[int, ...]:
         sharding = getattr(x, "sharding", None)
         return sharding.shard_shape(x.shape) if sharding is not None else x.shape
 
-    return sum(math.prod(shard(x)) * jnp.dtype(x.dtype).itemsize for x in arrays)
+    return sum(math.prod(shard(x)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def forward_activations(
@@ -162,7 +158,7 @@ def memory_plan(
         shared = {id(x) for x in jax.tree.leaves(target_weights)}
         own = [x for x in jax.tree.leaves(drafter) if id(x) not in shared]
         state, drafter_work = _drafter_state_and_work(cfg, dtype, drafter, draft_shape, batch, P, slots)
-        drafter_bytes = _device_nbytes(own) + _nbytes(state)
+        drafter_bytes = _nbytes(own) + _nbytes(state)
         activations = max(activations, drafter_work)
     if not mesh:
         return MemoryPlan(batch, slots, (), weight_bytes(cfg, dtype, quantize=quantize), kv, drafter_bytes, activations)
@@ -211,11 +207,10 @@ def _largest_value(jaxpr: jax_core.Jaxpr) -> int:
     return largest
 
 
-def check_fits(
-    plan_at: Callable[..., MemoryPlan], batch: int, available: int, meshes: Sequence[Mapping[str, int]] = ()
-) -> MemoryPlan:
+def check_fits(plan_at: Callable[..., MemoryPlan], batch: int, available: int, devices: int = 1) -> MemoryPlan:
     """The plan at `batch` rows; raises InputError when it exceeds `available` bytes, naming the largest batch that
-    would fit and the first of `meshes` (larger ones, in order; `plan_at(batch, mesh)` plans on one) that would."""
+    would fit and the first larger mesh of `devices` devices (`larger_meshes`; `plan_at(batch, mesh)` plans on one)
+    that would."""
     plan = plan_at(batch)
     if plan.total <= available:
         return plan
@@ -224,7 +219,8 @@ def check_fits(
         mid = (low + high) // 2
         low, high = (mid, high) if plan_at(mid).total <= available else (low, mid)
     advice = [f"a batch of {low} would fit"] if low else []
-    mesh = next((m for m in meshes if plan_at(batch, m).total <= available), None)
+    used = math.prod(n for _, n in plan.mesh)
+    mesh = next((m for m in larger_meshes(used, devices) if plan_at(batch, m).total <= available), None)
     if mesh is not None:
         advice.append(
             f"--mesh {','.join(f'{a}={n}' for a, n in mesh.items())} ({math.prod(mesh.values())} devices) would"

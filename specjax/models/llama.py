@@ -154,7 +154,7 @@ def weight_bytes(cfg: ModelConfig, dtype, mesh: Mapping[str, int] | None = None,
     """Bytes of the target's weights in `dtype` (`weight_specs`: tied heads, biases and q/k norms included; with
     quantize "int8" its matrices' int8 values and their scales), on each device of a mesh of these axis sizes when
     given (each weight split by its logical axes)."""
-    specs = jax.tree.leaves(weight_specs(cfg, quantize), is_leaf=lambda x: isinstance(x, ArraySpec))
+    specs = jax.tree.leaves(weight_specs(cfg, quantize), is_leaf=_is_spec)
     split = (lambda s: shard_fraction(s.axes, s.shape, mesh)) if mesh else (lambda s: 1)
     return sum(math.prod(s.shape) // split(s) * jnp.dtype(s.dtype or dtype).itemsize for s in specs)
 
