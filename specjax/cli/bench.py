@@ -36,12 +36,14 @@ from specjax.io.loading import LoadedModel
 from specjax.measure.bandwidth import device_bandwidth
 from specjax.measure.timing import (
     ForwardCosts,
+    ForwardShape,
     drafter_timer,
     forward_seconds,
     forward_timers,
     interleaved_medians,
     prefill_timer,
     round_breakdown,
+    shape_timers,
 )
 from specjax.models.llama import weight_bytes
 
@@ -320,6 +322,30 @@ def forward_cost_sweep(model: LoadedModel, batch: int, context: int, token_count
     return [{"tokens": t, "ms": 1000 * s, "target_steps": s / step_s} for t, s in zip(token_counts, times)]
 
 
+# A one-token step after 300 tokens in a small and a large buffer (attention reads the live blocks only), and a step
+# and a 10-node tree verification after 4096 tokens.
+LONG_CONTEXT = (
+    ForwardShape(1, 300, 512),
+    ForwardShape(1, 300, 8192),
+    ForwardShape(1, 4096, 8192),
+    ForwardShape(10, 4096, 8192, tree=True),
+)
+
+
+def context_cost_sweep(model: LoadedModel, batch: int) -> list[dict]:
+    """The target forward at the `LONG_CONTEXT` shapes (within the model's length), timed in turn; each against the
+    first one-token step of its live length."""
+    shapes = [s for s in LONG_CONTEXT if s.slots <= model.cfg.max_position_embeddings]
+    times = interleaved_medians(shape_timers(model.weights, model.cfg, batch, shapes), reps=7)
+    step = {}
+    for shape, t in zip(shapes, times):
+        step.setdefault(shape.live, t)
+    return [
+        {**dataclasses.asdict(shape), "ms": 1000 * t, "target_steps": t / step[shape.live]}
+        for shape, t in zip(shapes, times)
+    ]
+
+
 def prefill_seconds(model: LoadedModel, groups, max_new_tokens: int) -> list[float]:
     """Each batch's prefill (its prompts padded to their bucket, as decoding pads them), timed alone; the buckets'
     prefills take turns (`interleaved_medians`)."""
@@ -450,6 +476,11 @@ def parser() -> cli.ArgumentParser:
         "--forward-costs", type=cli.positive_ints, default=None, metavar="T,T,...",
         help="also time the target forward over T tokens per row (e.g. 1,5,9,16), against one step",
     )  # fmt: skip
+    p.add_argument(
+        "--context-costs", action="store_true",
+        help="also time the target forward at long contexts: a step after 300 tokens in 512 and 8192 slots, a step "
+        "and a 10-node tree after 4096 tokens",
+    )  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=Path("bench_out"), help="where the JSON, table and plot go")
     p.add_argument("--json", dest="json_out", type=Path, help="JSON path (default OUT_DIR/bench.json)")
     p.add_argument("--plot", type=Path, help="PNG path (default OUT_DIR/bench.png)")
@@ -526,6 +557,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.forward_costs:
         status(f"bench timing the target forward over {','.join(map(str, args.forward_costs))} tokens per row")
     sweep = forward_cost_sweep(model, batch_size, context, args.forward_costs) if args.forward_costs else []
+    if args.context_costs:
+        status("bench timing the target forward at long contexts")
+    long_context = context_cost_sweep(model, batch_size) if args.context_costs else []
     config = {
         "model": args.model, "prompt_set": prompt_set,
         "prompts": used, "batch_size": batch_size, "max_new_tokens": args.max_new_tokens,
@@ -543,7 +577,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if sweep:
         table += "\n| tokens per row | forward (ms, median) | target steps |\n|---:|---:|---:|\n"
         table += "".join(f"| {r['tokens']} | {r['ms']:.1f} | {r['target_steps']:.2f} |\n" for r in sweep)
+    if long_context:
+        table += "\n| new tokens | live tokens | slots | forward (ms, median) | steps at that length |\n"
+        table += "|---|---:|---:|---:|---:|\n" + "".join(
+            f"| {r['tokens']}{' (tree)' if r['tree'] else ''} | {r['live']} | {r['slots']} | {r['ms']:.1f} | "
+            f"{r['target_steps']:.2f} |\n"
+            for r in long_context
+        )
     report = {"config": config, "modes": rows, **({"forward_costs": sweep} if sweep else {})}
+    report |= {"context_costs": long_context} if long_context else {}
     cli.write_results(json_path, json.dumps(report, indent=1))
     write_file(args.out_dir / "bench.md", table)
     title = (

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig
 from specjax.drafters.base import ChainDrafter, Traits, draw, pending_tokens
 from specjax.errors import InputError
+from specjax.models.attention import slots_below
 from specjax.models.dflash import (
     DFlashConfig,
     DFlashWeights,
@@ -77,12 +78,11 @@ class DFlashDrafter(ChainDrafter):
     def block_logits(self, cache: KVCache, pending_b: jax.Array, num_rows: int) -> jax.Array:
         """float32 logits [B, num_rows, V or Vd] of the block rows after the anchor, for the block at the pending
         token's position (= cache.lengths)."""
-        Bs, B, S = self.cfg.block_size, pending_b.shape[0], cache.num_slots
+        Bs, B = self.cfg.block_size, pending_b.shape[0]
         ids, positions = block_inputs(self.cfg, cache.lengths[:, None], pending_b[:, None])
-        ctx_mask = jnp.arange(S)[None, None, :] < cache.lengths[:, None, None]
         h = block_hidden(
-            self.weights, self.cfg, self.embed_vd, ids, positions, cache.k, cache.v,
-            jnp.broadcast_to(ctx_mask, (B, Bs, S)), jnp.ones((B, Bs, Bs), bool), out_rows=slice(1, num_rows + 1),
+            self.weights, self.cfg, self.embed_vd, ids, positions, cache.k, cache.v, slots_below(cache.lengths),
+            jnp.ones((B, Bs, Bs), bool), out_rows=slice(1, num_rows + 1), ctx_live=jnp.max(cache.lengths),
         )  # fmt: skip
         return draft_logits(self.scored_vd, h)
 

@@ -25,6 +25,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.base import ChainDrafter, Traits, draw, pending_tokens, static_field
 from specjax.drafters.tree import DraftTree, TreeSpec, grow_tree
 from specjax.errors import InputError
+from specjax.models.attention import slots_below
 from specjax.models.eagle3 import Eagle3Head
 from specjax.models.kv_cache import KVCache
 from specjax.models.quantize import Int8Matrix, embed_rows
@@ -152,12 +153,12 @@ class Eagle3Drafter(ChainDrafter):
         [B, D]). The row attends to the committed slots before it and to its own, as in one `head.step` over the
         committed text."""
         cache = state.cache
-        B, S = state.q_bnh.shape[0], cache.num_slots
+        B = state.q_bnh.shape[0]
         last = cache.lengths - 1
         k_last, v_last = (get_rows(x[0], last)[:, None].astype(state.q_bnh.dtype) for x in (cache.k, cache.v))
         logits, g = self.head.attend_and_read(
-            state.q_bnh[:, None], state.g_bd[:, None], cache, k_last, v_last,
-            jnp.arange(S)[None, None, :] < last[:, None, None], jnp.ones((B, 1, 1), bool),
+            state.q_bnh[:, None], state.g_bd[:, None], cache, k_last, v_last, jnp.ones((B, 1, 1), bool),
+            slots_below(last), jnp.max(last),
         )  # fmt: skip
         return logits[:, 0], g[:, 0]
 
@@ -203,7 +204,6 @@ class Eagle3Drafter(ChainDrafter):
         B = pending_b.shape[0]
         c = state.cache.lengths
         S = state.cache.num_slots
-        slots = jnp.arange(S)[None, None, :]
         root_logits_bv, root_g_bd = self.root(state)
         node_out = jnp.zeros((B, M, cfg.hidden_size), root_g_bd.dtype).at[:, 0].set(root_g_bd)
 
@@ -216,12 +216,15 @@ class Eagle3Drafter(ChainDrafter):
             positions = c[:, None] - 1 + jnp.take_along_axis(tree.depths, nodes_bf, axis=1)
             q, k, v = head.qkv(self.embed_drafted(head, toks), g, positions)
             anc = jnp.take_along_axis(tree.ancestors, nodes_bf[..., None], axis=1)  # [B, f, M]
-            tree_idx = slots - c[:, None, None] + 1  # node whose KV a slot holds
-            in_tree = (tree_idx >= 1) & (tree_idx < M) & (tree_idx != nodes_bf[..., None])
-            anc_at = jnp.take_along_axis(anc, jnp.clip(tree_idx, 0, M - 1).astype(jnp.int32).repeat(f, 1), axis=2)
-            cache_mask = (slots < c[:, None, None]) | (in_tree & anc_at)
+
+            def visible(slots):  # the committed text, and the slots of the node's expanded ancestors
+                tree_idx = slots[None, None, :] - c[:, None, None] + 1  # node whose KV a slot holds
+                in_tree = (tree_idx >= 1) & (tree_idx < M) & (tree_idx != nodes_bf[..., None])
+                at = jnp.clip(tree_idx, 0, M - 1).astype(jnp.int32).repeat(f, 1)
+                return (tree_idx < 1) | (in_tree & jnp.take_along_axis(anc, at, axis=2))
+
             logits, out = head.attend_and_read(
-                q, g, cache, k, v, cache_mask, jnp.broadcast_to(jnp.eye(f, dtype=bool), (B, f, f))
+                q, g, cache, k, v, jnp.broadcast_to(jnp.eye(f, dtype=bool), (B, f, f)), visible, jnp.max(c) + M - 1
             )
             dst = jnp.where(ok_bf, c[:, None] + nodes_bf - 1, S)
             cache = cache.write_at(dst, k[None], v[None])

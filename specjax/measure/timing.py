@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import prefill
@@ -68,19 +69,51 @@ def forward_seconds(
 def forward_timers(
     weights: Weights, cfg: ModelConfig, batch: int, context: int, token_counts: Sequence[int]
 ) -> list[Callable[[], Any]]:
-    """One call per T in `token_counts`: the target forward over T tokens per row (see `forward_seconds`). It only
-    reads the cache, as a round of the speculative loop does (`forward_new_kv`): a call that returned the cache
-    written would copy all of it (~77 MB at batch 8 on SmolLM2), and time the copy."""
-    cache = KVCache.empty(cfg, batch, context + max(token_counts), weights.embed.dtype)
-    cache = cache.at_lengths(jnp.full((batch,), context, jnp.int32))
+    """One call per T in `token_counts`: the target forward over T tokens per row (see `forward_seconds`)."""
+    slots = context + max(token_counts)
+    return shape_timers(weights, cfg, batch, [ForwardShape(t, context, slots) for t in token_counts])
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardShape:
+    """A target forward to time: `tokens` new tokens per row, a chain or a binary tree of them (node i's parent is
+    (i - 1) // 2), after `live` committed tokens in a buffer of `slots` per row."""
+
+    tokens: int
+    live: int
+    slots: int
+    tree: bool = False
+
+    def ancestors(self) -> np.ndarray:
+        """bool [T, T]: which nodes each node sees (itself and the nodes above it; a chain: causal)."""
+        seen = np.eye(self.tokens, dtype=bool)
+        for i in range(1, self.tokens):
+            seen[i] |= seen[(i - 1) // 2] if self.tree else seen[i - 1]
+        return seen
+
+
+def shape_timers(
+    weights: Weights, cfg: ModelConfig, batch: int, shapes: Sequence[ForwardShape]
+) -> list[Callable[[], Any]]:
+    """One call per shape: the target forward over its new tokens against a cache of its live tokens and slots
+    (shapes of one live length and buffer share one cache). It only reads the cache, as a round of the speculative
+    loop does (`forward_new_kv`): a call that returned the cache written would copy all of it (~77 MB at batch 8 on
+    SmolLM2), and time the copy."""
     run = jax.jit(forward_new_kv, static_argnums=1)
+    caches = {}
 
-    def timer(t: int) -> Callable[[], Any]:
-        tokens = jnp.ones((batch, t), jnp.int32)
-        positions = context + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-        return lambda: run(weights, cfg, tokens, positions, cache)
+    def timer(shape: ForwardShape) -> Callable[[], Any]:
+        if (shape.live, shape.slots) not in caches:
+            cache = KVCache.empty(cfg, batch, shape.slots, weights.embed.dtype)
+            caches[shape.live, shape.slots] = cache.at_lengths(jnp.full((batch,), shape.live, jnp.int32))
+        cache = caches[shape.live, shape.slots]
+        seen = shape.ancestors()
+        tokens = jnp.ones((batch, shape.tokens), jnp.int32)
+        positions = jnp.broadcast_to(shape.live + seen.sum(1, dtype=np.int32) - 1, (batch, shape.tokens))
+        mask = jnp.broadcast_to(seen, (batch, *seen.shape))
+        return lambda: run(weights, cfg, tokens, positions, cache, mask)
 
-    return [timer(t) for t in token_counts]
+    return [timer(shape) for shape in shapes]
 
 
 def prefill_timer(

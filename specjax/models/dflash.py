@@ -9,7 +9,7 @@ context rows (target positions the draft attends to) and F = len(target_layer_id
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -18,10 +18,10 @@ import numpy as np
 
 from specjax.config import MetadataFields, ModelConfig, layer_sizes_from_hf, rope_from_hf
 from specjax.errors import CheckpointError, InputError
+from specjax.models.attention import CachedKeys, attend
 from specjax.models.llama import (
     ArraySpec,
     LayerWeights,
-    attend,
     is_norm_scale,
     keys_values,
     mlp_block,
@@ -241,9 +241,10 @@ def block_hidden(
     positions_bt: jax.Array,
     ctx_k: jax.Array,
     ctx_v: jax.Array,
-    ctx_mask_bts: jax.Array,
+    ctx_visible: Callable[[jax.Array], jax.Array],
     new_mask_btt: jax.Array,
     out_rows: slice | np.ndarray | None = None,
+    ctx_live: jax.Array | None = None,
 ) -> jax.Array:
     """The draft over block rows (one block per row at inference; many blocks side by side in training).
 
@@ -252,23 +253,31 @@ def block_hidden(
       embed_vd: the target's embedding.
       ids_bt, positions_bt: the block rows' tokens (anchor, mask ids) and rotary positions.
       ctx_k, ctx_v: [L, B, C, K, H] context keys/values (`context_kv`).
-      ctx_mask_bts: bool [B, T, C], the context rows each block row sees (the positions before its anchor).
+      ctx_visible: the context rows each block row sees (the positions before its anchor): context ids [Cb] ->
+        bool [B, T or 1, Cb] (`specjax.models.attention.CachedKeys.visible`).
       new_mask_btt: bool [B, T, T], the block rows each block row sees (its own block, both directions).
       out_rows: the block rows whose states are returned (a slice or static indices; None: all). The last layer
         runs its queries, attention and MLP for these rows alone; every layer's keys and values span all T rows.
+      ctx_live: no block row sees a context row at or past it (those are not read); None: all C may be seen.
     Returns:
       The final-normed hidden states [B, R, D] of the R rows `out_rows` names, for the target's LM head.
     """
     stack = cfg.layers
     inv_freq, eps = rope_inv_freq(stack), stack.rms_norm_eps
 
-    def layer(x_btd, lw, k_ctx, v_ctx, rows):
+    B, T = ids_bt.shape
+
+    def layer(x_btd, lw, i, rows):
         h = rms_norm(x_btd, lw.attn_norm, eps)
         k, v = keys_values(lw, h, positions_bt, inv_freq, eps)
         q = queries(lw, h[:, rows], positions_bt[:, rows], inv_freq, eps)
-        B, R = q.shape[:2]
+        R = q.shape[1]
         q = q.reshape(B, R, stack.num_kv_heads, -1, stack.head_dim)
-        attn = attend(q, k_ctx, v_ctx, k, v, ctx_mask_bts[:, rows], new_mask_btt[:, rows])
+
+        def seen(ids):  # the context rows the layer's query rows see
+            return jnp.broadcast_to(ctx_visible(ids), (B, T, ids.shape[0]))[:, rows]
+
+        attn = attend(q, k, v, new_mask_btt[:, rows], CachedKeys(ctx_k, ctx_v, seen, ctx_live, layer=i))
         x_btd = x_btd[:, rows] + weight_einsum("btnh,nhd->btd", attn.reshape(B, R, stack.num_heads, -1), lw.o)
         return mlp_block(lw, x_btd, eps)
 
@@ -277,7 +286,7 @@ def block_hidden(
     for i in range(stack.num_layers):
         lw = jax.tree.map(lambda a, i=i: a[i], w.layers)
         rows = out_rows if i == last and out_rows is not None else slice(None)
-        x_btd = layer(x_btd, lw, ctx_k[i], ctx_v[i], rows)
+        x_btd = layer(x_btd, lw, i, rows)
     return rms_norm(x_btd, w.norm, eps)
 
 

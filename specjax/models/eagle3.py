@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -33,8 +33,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specjax.config import MetadataFields, ModelConfig, RopeScaling, layer_sizes_from_hf, rope_from_hf
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
+from specjax.models.attention import CachedKeys, attend, slots_below
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import ArraySpec, apply_rope, attend, rms_norm, rope_inv_freq
+from specjax.models.llama import ArraySpec, apply_rope, rms_norm, rope_inv_freq
 from specjax.models.quantize import embed_rows
 from specjax.sharding import DEFAULT_RULES, constrain, named_sharding
 
@@ -501,12 +502,11 @@ class Eagle3Head(nnx.Module):
         """
         B, T = embed_btd.shape[:2]
         positions_bt = jnp.broadcast_to(positions_bt, (B, T))
-        S = cache.num_slots
         if new_mask_btt is None:
             new_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-        cache_mask = jnp.broadcast_to(jnp.arange(S)[None, None, :] < cache.lengths[:, None, None], (B, T, S))
         q, k, v = self.qkv(embed_btd, g_btd, positions_bt)
-        logits, next_g = self.attend_and_read(q, g_btd, cache, k, v, cache_mask, new_mask_btt)
+        seen = slots_below(cache.lengths)
+        logits, next_g = self.attend_and_read(q, g_btd, cache, k, v, new_mask_btt, seen, jnp.max(cache.lengths))
         return logits, next_g, cache.write(k[None], v[None])
 
     def attend_and_read(
@@ -516,16 +516,17 @@ class Eagle3Head(nnx.Module):
         cache: KVCache,
         k_new: jax.Array,
         v_new: jax.Array,
-        cache_mask_bts: jax.Array,
         new_mask_btt: jax.Array,
+        visible: Callable[[jax.Array], jax.Array],
+        live: jax.Array,
     ) -> tuple[jax.Array, jax.Array]:
-        """The midlayer after `qkv`: the rows' queries attend to the head cache's slots and to new keys/values
-        (`llama.attend`, under the two masks), then `finish` and `readout`: (draft logits, next g)."""
+        """The midlayer after `qkv`: the rows' queries attend to new keys/values (under `new_mask_btt`) and to the
+        head cache's slots (`visible`, none at or past `live`: `specjax.models.attention.CachedKeys`), then `finish`
+        and `readout`: (draft logits, next g)."""
         cfg = self.cfg
         B, T = q_btnh.shape[:2]
         q = q_btnh.reshape(B, T, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
-        k_cache, v_cache = cache.k[0].astype(k_new.dtype), cache.v[0].astype(v_new.dtype)
-        attn = attend(q, k_cache, v_cache, k_new, v_new, cache_mask_bts, new_mask_btt)
+        attn = attend(q, k_new, v_new, new_mask_btt, CachedKeys(cache.k, cache.v, visible, live, layer=0))
         return self.readout(self.finish(g_btd, attn.reshape(B, T, cfg.num_heads, cfg.head_dim)))
 
     # -- vocabularies ----------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import numpy as np
 from specjax.config import ModelConfig, RopeScaling
 from specjax.errors import CheckpointError, InputError
 from specjax.host import GIB, device_memory
+from specjax.models.attention import CachedKeys, attend
 from specjax.models.kv_cache import KVCache
 from specjax.models.quantize import (
     CONTRACTED,
@@ -391,55 +392,6 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attention_mask(
-    cfg: ModelConfig, positions_bt: jax.Array, cache_lengths_b: jax.Array, num_slots: int, new_mask_btt: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Which keys each new query may see.
-
-    Args:
-      cfg: the model config (for the sliding window).
-      positions_bt: rotary positions of the new tokens.
-      cache_lengths_b: valid cache slots per row; slot s holds position s.
-      num_slots: S, the cache capacity.
-      new_mask_btt: which new tokens each new token sees (causal for a chain, ancestors for a tree).
-    Returns:
-      (cache mask [B, T, S], new-token mask [B, T, T]), booleans.
-    """
-    slots = jnp.arange(num_slots)
-    cache_mask = slots[None, None, :] < cache_lengths_b[:, None, None]
-    new_mask = new_mask_btt
-    if cfg.sliding_window is not None:
-        cache_mask &= slots[None, None, :] > positions_bt[:, :, None] - cfg.sliding_window
-        new_mask &= positions_bt[:, None, :] > positions_bt[:, :, None] - cfg.sliding_window
-    return cache_mask, new_mask
-
-
-def attend(q_btkgh, k_cache_bskh, v_cache_bskh, k_new_btkh, v_new_btkh, cache_mask_bts, new_mask_btt):
-    """Softmax attention over the valid cache slots and the new tokens, without concatenating either.
-
-    Args:
-      q_btkgh: queries [B, T, K, G, H], rotary already applied.
-      k_cache_bskh, v_cache_bskh: one layer's cached keys/values [B, S, K, H].
-      k_new_btkh, v_new_btkh: the new tokens' keys/values [B, T, K, H].
-      cache_mask_bts: bool [B, T, S], which cache slots each query sees.
-      new_mask_btt: bool [B, T, T], which new tokens each query sees.
-    Returns:
-      [B, T, K, G, H] in the dtype of the values; scores and softmax in float32.
-    """
-    scale = q_btkgh.shape[-1] ** -0.5
-    neg = jnp.finfo(jnp.float32).min
-    s_cache = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_cache_bskh, preferred_element_type=jnp.float32) * scale
-    s_new = jnp.einsum("btkgh,bukh->bkgtu", q_btkgh, k_new_btkh, preferred_element_type=jnp.float32) * scale
-    s_cache = jnp.where(cache_mask_bts[:, None, None], s_cache, neg)
-    s_new = jnp.where(new_mask_btt[:, None, None], s_new, neg)
-    m = jnp.maximum(s_cache.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
-    p_cache, p_new = jnp.exp(s_cache - m), jnp.exp(s_new - m)
-    denom = p_cache.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
-    dtype = v_new_btkh.dtype
-    out = jnp.einsum("bkgts,bskh->btkgh", (p_cache / denom).astype(dtype), v_cache_bskh)
-    return out + jnp.einsum("bkgtu,bukh->btkgh", (p_new / denom).astype(dtype), v_new_btkh)
-
-
 def queries(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray, eps: float):
     """One layer's rotated queries [B, T, N, H] from its normed input (bias and q-norm where the family has them)."""
     q = weight_einsum("btd,dnh->btnh", h_btd, lw.q)
@@ -498,10 +450,17 @@ def forward_new_kv(
       each [L, B, T, K, H]).
     """
     B, T = tokens_bt.shape
-    S = cache.k.shape[2]
     if new_mask_btt is None:
         new_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    cache_mask, new_mask = attention_mask(cfg, positions_bt, cache.lengths, S, new_mask_btt)
+    window = cfg.sliding_window
+    if window is not None:
+        new_mask_btt &= positions_bt[:, None, :] > positions_bt[:, :, None] - window
+
+    def visible(slots):  # a row's committed slots, within the sliding window where the family has one
+        seen = slots[None, None, :] < cache.lengths[:, None, None]
+        return seen if window is None else seen & (slots[None, None, :] > positions_bt[:, :, None] - window)
+
+    live = jnp.max(cache.lengths)
     inv_freq = rope_inv_freq(cfg)
     K, G = cfg.num_kv_heads, cfg.group_size
     x_btd = embed_rows(weights.embed, tokens_bt)
@@ -509,20 +468,18 @@ def forward_new_kv(
 
     taps0 = jnp.zeros((len(tap_layers), B, T, cfg.hidden_size), x_btd.dtype)
 
-    def layer(carry, xs):
+    def layer(carry, lw):
         x_btd, taps, i = carry
-        lw, k_cache, v_cache = xs
         taps = jnp.stack([jnp.where(i == t, x_btd, taps[j]) for j, t in enumerate(tap_layers)]) if tap_layers else taps
         h = rms_norm(x_btd, lw.attn_norm, eps)
         q = queries(lw, h, positions_bt, inv_freq, eps)
         k, v = keys_values(lw, h, positions_bt, inv_freq, eps)
-        attn = attend(q.reshape(B, T, K, G, -1), k_cache, v_cache, k, v, cache_mask, new_mask)
+        cached = CachedKeys(cache.k, cache.v, visible, live, layer=i)
+        attn = attend(q.reshape(B, T, K, G, -1), k, v, new_mask_btt, cached)
         x_btd = x_btd + weight_einsum("btnh,nhd->btd", attn.reshape(B, T, cfg.num_heads, -1), lw.o)
         return (mlp_block(lw, x_btd, eps), taps, i + 1), (k, v)
 
-    (x_btd, taps, _), (k_new, v_new) = jax.lax.scan(
-        layer, (x_btd, taps0, jnp.int32(0)), (weights.layers, cache.k, cache.v)
-    )
+    (x_btd, taps, _), (k_new, v_new) = jax.lax.scan(layer, (x_btd, taps0, jnp.int32(0)), weights.layers)
     if cfg.num_layers in tap_layers:
         taps = jnp.stack([x_btd if t == cfg.num_layers else taps[j] for j, t in enumerate(tap_layers)])
     if logits_at is not None:

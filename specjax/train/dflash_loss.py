@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.attention import slots_where
 from specjax.models.dflash import (
     DFlashConfig,
     DFlashWeights,
@@ -85,7 +86,7 @@ def block_loss(
     ctx_k, ctx_v = context_kv(w, cfg, taps_btf, positions)
     context_mask, own_block = block_masks(segments, anchors, Bs)
     drafts = np.flatnonzero(np.arange(num_anchors * Bs) % Bs)  # every block row but the anchors
-    h = block_hidden(w, cfg, embed_vd, ids, block_positions, ctx_k, ctx_v, context_mask, own_block, drafts)
+    h = block_hidden(w, cfg, embed_vd, ids, block_positions, ctx_k, ctx_v, slots_where(context_mask), own_block, drafts)
     logp = jax.nn.log_softmax(draft_logits(scored_head(w, head_vd), h).reshape(B, num_anchors, Bs - 1, -1), axis=-1)
 
     at = anchors[..., None] + jnp.arange(Bs)  # [B, N, Bs]: the row each block position predicts
