@@ -64,8 +64,9 @@ class MetadataFields:
         return tuple(value) if isinstance(value, list) else value
 
     def positive(self, key: str, default: Any = REQUIRED) -> float:
-        """A finite number > 0 (an int is accepted)."""
-        return float(self.read(key, "a finite number > 0", lambda v: _is_number(v) and 0 < v < math.inf, default))
+        """A finite number > 0 (an int is accepted), as a float (or `default`)."""
+        value = self.read(key, "a finite number > 0", lambda v: _is_number(v) and 0 < v < math.inf, default)
+        return value if value is None else float(value)
 
     def flag(self, key: str, default: Any = REQUIRED) -> bool:
         return self.read(key, "true or false", lambda v: isinstance(v, bool), default)
@@ -104,13 +105,38 @@ def _is_int(value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent rope scaling (`rope_type: llama3`) or plain linear scaling."""
+    """A config.json `rope_scaling`: linear, Llama-3 (frequency-dependent) or YaRN scaling of the rotary frequencies.
 
-    rope_type: str  # "llama3" or "linear"
+    Each `rope_type` reads and writes its own fields, those `ROPE_TYPE_FIELDS` names; the others keep their defaults.
+    """
+
+    rope_type: str  # "linear", "llama3" or "yarn"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn: dimensions turning more than beta_fast times over the original context keep
+    beta_slow: float = 1.0  # their frequency, those turning less than beta_slow times are divided by factor
+    mscale: float | None = None  # yarn: with mscale_all_dim, sets the attention factor when it is not given
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # yarn: the factor on cos and sin; None: derived from factor (and mscales)
+    truncate: bool = True  # yarn: the frequency ramp starts and ends on whole dimensions
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json `rope_scaling` object (inverse of `rope_scaling_from_hf`)."""
+        fields = {name: getattr(self, name) for name in ROPE_TYPE_FIELDS[self.rope_type]}
+        return {"rope_type": self.rope_type, **{name: v for name, v in fields.items() if v is not None}}
+
+
+# The `rope_scaling` types specjax implements besides "default" (none), and the fields each reads.
+ROPE_TYPE_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+        "attention_factor", "truncate",
+    ),
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +239,7 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
         if self.rope_scaling is not None:
-            hf["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+            hf["rope_scaling"] = self.rope_scaling.to_hf()
         if self.model_type in ("mistral", "qwen2", "qwen3"):
             hf["sliding_window"] = self.sliding_window
             hf["use_sliding_window"] = self.sliding_window is not None
@@ -247,36 +273,57 @@ def rope_from_hf(fields: MetadataFields) -> dict[str, Any]:
     params = fields.mapping("rope_parameters")
     return dict(
         rope_theta=fields.positive("rope_theta", params.positive("rope_theta", 10000.0) if params else 10000.0),
-        rope_scaling=rope_scaling_from_hf(fields.mapping("rope_scaling") or params),
+        rope_scaling=rope_scaling_from_hf(fields.mapping("rope_scaling") or params, fields),
     )
 
 
-def rope_scaling_from_hf(raw: MetadataFields | None) -> RopeScaling | None:
+def rope_scaling_from_hf(raw: MetadataFields | None, top: MetadataFields) -> RopeScaling | None:
     """The RopeScaling of a config.json `rope_scaling` (or `rope_parameters`) object: None for none or the default.
+
+    As in transformers, a top-level `original_max_position_embeddings` overrides the object's, which defaults to
+    `max_position_embeddings`; a yarn factor defaults to max_position_embeddings / original_max_position_embeddings.
 
     Args:
       raw: the object, as `MetadataFields.mapping` returns it.
+      top: the whole config.json, for the context lengths.
     Returns:
       The scaling. Raises CheckpointError for a malformed field, UnsupportedModelError for a type specjax does not
-      implement.
+      implement (naming the types it does).
     """
     if raw is None:
         return None
-    rope_type = raw.text("rope_type", raw.text("type", "default"))
+    type_key = "rope_type" if raw.data.get("rope_type") is not None else "type"
+    rope_type = raw.text(type_key, "default")
     if rope_type == "default":
         return None
     if rope_type == "linear":
         return RopeScaling("linear", raw.positive("factor"))
-    if rope_type != "llama3":
+    if rope_type not in ROPE_TYPE_FIELDS:
+        why = " (dynamic NTK rescales by each forward call's length: its logits depend on how a text is split)"
         raise UnsupportedModelError(
-            f"{raw.source}: rope scaling {rope_type!r} is not supported; specjax implements llama3 and linear"
+            f"{raw.source}: {raw.prefix}{type_key} {rope_type!r} is not supported"
+            f"{why if rope_type == 'dynamic' else ''}; specjax implements {', '.join(['default', *ROPE_TYPE_FIELDS])}"
+        )
+    max_positions = top.integer("max_position_embeddings", default=None)
+    original = top.integer("original_max_position_embeddings", default=None) or raw.integer(
+        "original_max_position_embeddings", default=max_positions or REQUIRED
+    )
+    if rope_type == "yarn":
+        return RopeScaling(
+            "yarn",
+            raw.positive("factor", max_positions / original if max_positions else REQUIRED),
+            original_max_position_embeddings=original,
+            beta_fast=raw.positive("beta_fast", 32.0),
+            beta_slow=raw.positive("beta_slow", 1.0),
+            mscale=raw.positive("mscale", None),
+            mscale_all_dim=raw.positive("mscale_all_dim", None),
+            attention_factor=raw.positive("attention_factor", None),
+            truncate=raw.flag("truncate", True),
         )
     low, high = raw.positive("low_freq_factor", 1.0), raw.positive("high_freq_factor", 4.0)
     if low >= high:
         raise raw.error(f"{raw.prefix}low_freq_factor={low} must be below high_freq_factor={high}; {raw.remedy}")
-    return RopeScaling(
-        "llama3", raw.positive("factor"), low, high, raw.integer("original_max_position_embeddings", default=8192)
-    )
+    return RopeScaling("llama3", raw.positive("factor"), low, high, original)
 
 
 FLOAT32_MAX = 3.4028234663852886e38

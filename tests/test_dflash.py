@@ -14,7 +14,7 @@ import pytest
 import specjax.decoding.speculative as spec
 from specjax.adaptive import Fixed
 from specjax.cli import common as cli
-from specjax.config import ModelConfig, SamplingConfig
+from specjax.config import ModelConfig, RopeScaling, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
 from specjax.decoding.batch import pack_prompts
 from specjax.drafters import DFlashDrafter, drafter_from_spec
@@ -51,6 +51,9 @@ def test_config_conventions():
     assert default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)
     assert default_target_layer_ids(30, 1) == (15,)
     assert DFlashConfig.from_hf(CFG.to_hf(), TARGET_CFG) == CFG
+    yarn = RopeScaling("yarn", 4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.5)
+    yarn_draft = dataclasses.replace(CFG, layers=dataclasses.replace(CFG.layers, rope_scaling=yarn))
+    assert DFlashConfig.from_hf(yarn_draft.to_hf(), TARGET_CFG) == yarn_draft
 
 
 def test_block_forward_matches_the_pytorch_reference(tmp_path):

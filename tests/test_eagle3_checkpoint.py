@@ -11,7 +11,7 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from specjax.config import ModelConfig
+from specjax.config import ModelConfig, RopeScaling
 from specjax.errors import CheckpointError, UnsupportedModelError
 from specjax.io.eagle3_checkpoint import check_eagle3, head_to_hf, hf_tensor_specs, load_eagle3, save_eagle3
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head, param_specs, vocab_map_from_ids
@@ -343,6 +343,15 @@ def test_pickled_weights_are_refused_with_a_conversion_hint(tmp_path):
     with pytest.raises(CheckpointError, match="safetensors") as err:
         load_eagle3(tmp_path, TARGET)
     assert "pickle" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_rope_scaling_round_trips():
+    """to_hf writes each rope type's own fields, and from_hf reads them back as they were."""
+    linear = small_cfg(rope_scaling=RopeScaling("linear", 2.0))
+    assert linear.to_hf()["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    yarn = RopeScaling("yarn", 4.0, original_max_position_embeddings=32, beta_slow=2.0, mscale=1.0, truncate=False)
+    for cfg in (linear, small_cfg(rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 32)), small_cfg(rope_scaling=yarn)):
+        assert Eagle3Config.from_hf(cfg.to_hf(), TARGET) == cfg
 
 
 def test_tap_layer_conventions_round_trip():

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 from flax import nnx
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specjax.config import ModelConfig, RopeScaling
 from specjax.io.eagle3_checkpoint import head_to_hf
@@ -66,13 +68,17 @@ class TorchEagle3:
         return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps))
 
     def rope(self, x, pos):  # x [B, heads, T, hd], pos [B, T]
-        hd = self.cfg.head_dim
-        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-        if self.cfg.rope_scaling is not None:
-            inv = inv / self.cfg.rope_scaling.factor
-        ang = pos.double()[..., None] * inv  # [B, T, hd/2]
+        c, hd = self.cfg, self.cfg.head_dim
+        inv, scale = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)), 1.0
+        if c.rope_scaling is not None:  # transformers' frequencies and cos/sin factor for the head's config
+            hf = transformers.LlamaConfig(
+                hidden_size=c.hidden_size, num_attention_heads=c.num_heads, head_dim=hd, rope_theta=c.rope_theta,
+                max_position_embeddings=c.max_position_embeddings, rope_scaling=c.rope_scaling.to_hf(),
+            )  # fmt: skip
+            inv, scale = ROPE_INIT_FUNCTIONS[c.rope_scaling.rope_type](hf)
+        ang = pos.double()[..., None] * inv.double()  # [B, T, hd/2]
         emb = torch.cat([ang, ang], -1)[:, None]
-        cos, sin = emb.cos().float(), emb.sin().float()
+        cos, sin = (emb.cos() * scale).float(), (emb.sin() * scale).float()
         half = hd // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
         return x * cos + rotated * sin
@@ -130,10 +136,18 @@ VARIANTS = {
 }
 
 
+HEADS = {  # (own embedding, rope scaling)
+    "shared-embedding": (False, None),
+    "own-embedding-Ht!=H-linear-rope": (True, RopeScaling("linear", 2.0)),
+    "shared-embedding-yarn-rope": (False, RopeScaling("yarn", 4.0, original_max_position_embeddings=64)),
+}
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("own_embedding", [False, True], ids=["shared-embedding", "own-embedding-Ht!=H-linear-rope"])
-def test_forward_parity_with_torch_prefix_then_cached_steps(own_embedding, variant):
-    cfg = dataclasses.replace(head_config(own_embedding), **VARIANTS[variant])
+@pytest.mark.parametrize("kind", HEADS)
+def test_forward_parity_with_torch_prefix_then_cached_steps(kind, variant):
+    own_embedding, rope_scaling = HEADS[kind]
+    cfg = dataclasses.replace(head_config(own_embedding), rope_scaling=rope_scaling, **VARIANTS[variant])
     head = random_head(cfg, seed=1)
     tensors = {k: np.asarray(v) for k, v in head_to_hf(head).items()}
     ref = TorchEagle3(cfg, tensors)

@@ -118,6 +118,16 @@ CONFIG_CASES = {
         {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4, "high_freq_factor": 1}},
         "rope_scaling.low_freq_factor",
     ),
+    "dynamic rope scaling": ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
+    "unknown rope type": ({"rope_parameters": {"type": "longrope", "factor": 2.0}}, "rope_parameters.type"),
+    "zero yarn beta_fast": (
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": 0}},
+        "rope_scaling.beta_fast",
+    ),
+    "string yarn truncate": (
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4, "truncate": "no"}},
+        "rope_scaling.truncate",
+    ),
     "string eos id": ({"eos_token_id": "abc"}, "eos_token_id"),
     "eos id outside the vocabulary": ({"eos_token_id": [2, 10**9]}, "eos_token_id"),
     "negative bos id": ({"bos_token_id": -1}, "bos_token_id"),

@@ -1,5 +1,6 @@
 """Checkpoint I/O: GGUF conversion and cache, HF folders, and clean errors on bad input."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import torch
 
 import specjax.io.gguf as sj_gguf
 import specjax.io.loading as sj_models
-from specjax.config import ModelConfig
+from specjax.config import ModelConfig, RopeScaling
 from specjax.errors import CheckpointError, SpecjaxError, UnsupportedModelError
 from specjax.io.gguf import converted_folder, load_gguf, read_gguf
 from specjax.io.hf import load_hf, save_hf
@@ -348,13 +349,18 @@ def test_load_sharded_folder(tmp_path):
     _assert_one_line_error(CheckpointError, "missing", load_hf, tmp_path / "indexed")
 
 
-def test_saved_folder_runs_in_transformers(tmp_path):
-    """save_hf writes a folder that transformers loads into the same function."""
+YARN = RopeScaling("yarn", 4.0, original_max_position_embeddings=4, beta_fast=16.0, mscale=0.9, mscale_all_dim=0.4)
+
+
+@pytest.mark.parametrize("rope_scaling", [None, YARN], ids=["no-rope-scaling", "yarn"])
+def test_saved_folder_runs_in_transformers(rope_scaling, tmp_path):
+    """save_hf writes a folder that specjax reloads as it was and transformers loads into the same function."""
     from transformers import AutoModelForCausalLM
 
-    cfg = _tiny_cfg("qwen3")
+    cfg = dataclasses.replace(_tiny_cfg("qwen3"), rope_scaling=rope_scaling)
     weights = init_weights(cfg, jax.random.key(4), scale=0.2)
     save_hf(tmp_path, cfg, weights)
+    assert load_hf(tmp_path)[0] == cfg
     ids = np.array([[5, 17, 200, 3, 99, 258]])
     ours, _, _ = forward(weights, cfg, jnp.asarray(ids), jnp.arange(6)[None], KVCache.empty(cfg, 1, 6))
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -391,6 +397,9 @@ def test_bad_configs(tmp_path):
     hf = _tiny_cfg("llama").to_hf()
     (tmp_path / "config.json").write_text(json.dumps({**hf, "quantization_config": {"quant_method": "awq"}}))
     _assert_one_line_error(UnsupportedModelError, "awq", load_hf, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "rope_scaling": {"rope_type": "dynamic", "factor": 2}}))
+    message = _assert_one_line_error(UnsupportedModelError, "rope_scaling.rope_type 'dynamic'", load_hf, tmp_path)
+    assert message.endswith("specjax implements default, linear, llama3, yarn")
     (tmp_path / "config.json").write_text(json.dumps({**hf, "hidden_size": "wide"}))
     _assert_one_line_error(CheckpointError, "config.json: hidden_size must be an integer", load_hf, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(hf))

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specjax.config import ModelConfig
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import forward, weights_from_hf, weights_to_hf
+from specjax.models.llama import Rotary, forward, weights_from_hf, weights_to_hf
 
 TINY = dict(
     vocab_size=97,
@@ -42,6 +43,36 @@ ARCHITECTURES = {
     "mistral-sliding-window": (transformers.MistralConfig, dict(sliding_window=5, head_dim=16)),
     "qwen2-bias": (transformers.Qwen2Config, dict(tie_word_embeddings=True, use_sliding_window=False)),
     "qwen3-qk-norm": (transformers.Qwen3Config, dict(head_dim=24, tie_word_embeddings=False)),
+    "llama-yarn": (
+        transformers.LlamaConfig,
+        dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
+    ),
+    "qwen2-yarn": (
+        transformers.Qwen2Config,
+        dict(rope_theta=1e6, rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=32)),
+    ),
+    "qwen3-yarn-betas-mscales": (
+        transformers.Qwen3Config,
+        dict(
+            head_dim=24,
+            rope_scaling=dict(
+                rope_type="yarn",
+                factor=8.0,
+                original_max_position_embeddings=32,
+                beta_fast=16,
+                beta_slow=2,
+                mscale=0.9,
+                mscale_all_dim=0.4,
+                truncate=False,
+            ),
+        ),
+    ),
+    "llama-yarn-attention-factor": (
+        transformers.LlamaConfig,
+        dict(
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, attention_factor=1.5)
+        ),
+    ),
 }
 
 
@@ -116,3 +147,54 @@ def test_hf_tensor_round_trip(name):
     assert set(back) == {k for k in state if k != "lm_head.weight" or not cfg.tie_word_embeddings}
     for k, v in back.items():
         np.testing.assert_array_equal(v, state[k].numpy())
+
+
+@pytest.mark.parametrize("name", [name for name in sorted(ARCHITECTURES) if "yarn" in name])
+def test_yarn_past_the_original_context_matches_transformers(name):
+    """100 tokens, three times yarn's original context of 32: a prefill of 96, then 4 steps through the cache."""
+    model, cfg, weights = make_pair(name)
+    assert cfg.rope_scaling.rope_type == "yarn" and cfg.max_position_embeddings == 256
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(1, 100))
+    expected = hf_logits(model, ids)
+    run = jax.jit(forward, static_argnums=1)
+    positions = jnp.arange(100)[None]
+    cache = KVCache.empty(cfg, 1, 100)
+    logits, _, cache = run(weights, cfg, jnp.asarray(ids[:, :96]), positions[:, :96], cache)
+    cache = cache.advance(jnp.full((1,), 96))
+    steps = [logits]
+    for t in range(96, 100):
+        logits, _, cache = run(weights, cfg, jnp.asarray(ids[:, t : t + 1]), positions[:, t : t + 1], cache)
+        cache = cache.advance(jnp.ones((1,), jnp.int32))
+        steps.append(logits)
+    assert rel_err(jnp.concatenate(steps, axis=1), expected) <= 1e-4
+
+
+# config.json rope settings whose defaults come from elsewhere in the file, as transformers resolves them.
+ROPE_DEFAULTS = {
+    "yarn without original context (max_position_embeddings)": dict(rope_scaling=dict(rope_type="yarn", factor=4.0)),
+    "yarn factor null (max / original)": dict(
+        rope_scaling=dict(rope_type="yarn", factor=None, original_max_position_embeddings=32)
+    ),
+    "top-level original context wins": dict(
+        original_max_position_embeddings=16,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
+    ),
+    "llama3 without original context": dict(
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ROPE_DEFAULTS)
+def test_rope_defaults_resolve_as_in_transformers(case):
+    hf = {**TINY, "model_type": "llama", **ROPE_DEFAULTS[case]}
+    hf_cfg = transformers.LlamaConfig.from_dict(hf)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[hf_cfg.rope_parameters["rope_type"]](hf_cfg)
+    rope = Rotary.of(ModelConfig.from_hf(hf))
+    np.testing.assert_allclose(rope.inv_freq, inv_freq.numpy(), rtol=1e-6)
+    assert rope.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+
+
+def test_default_rope_type_is_no_scaling():
+    for raw in ({"rope_type": "default"}, {"type": "default", "rope_theta": 5.0}):
+        assert ModelConfig.from_hf({**TINY, "model_type": "qwen2", "rope_scaling": raw}).rope_scaling is None

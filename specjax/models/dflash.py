@@ -22,12 +22,12 @@ from specjax.models.attention import CachedKeys, attend
 from specjax.models.llama import (
     ArraySpec,
     LayerWeights,
+    Rotary,
     is_norm_scale,
     keys_values,
     mlp_block,
     queries,
     rms_norm,
-    rope_inv_freq,
     weight_specs,
 )
 from specjax.models.quantize import embed_rows, weight_einsum
@@ -174,7 +174,7 @@ class DFlashConfig:
             "attention_bias": layers.attention_bias,
             "rms_norm_eps": layers.rms_norm_eps,
             "rope_theta": layers.rope_theta,
-            "rope_scaling": dataclasses.asdict(layers.rope_scaling) if layers.rope_scaling else None,
+            "rope_scaling": layers.rope_scaling.to_hf() if layers.rope_scaling else None,
             "layer_types": ["full_attention"] * layers.num_layers,
             "vocab_size": layers.vocab_size,
             "tie_word_embeddings": False,
@@ -229,8 +229,8 @@ def context_kv(
     """
     eps = cfg.layers.rms_norm_eps
     c_btd = rms_norm(jnp.einsum("btf,fd->btd", taps_btf.astype(w.fc.dtype), w.fc), w.hidden_norm, eps)
-    inv_freq = rope_inv_freq(cfg.layers)
-    return jax.lax.map(lambda lw: keys_values(lw, c_btd, positions_bt, inv_freq, eps), w.layers)
+    rope = Rotary.of(cfg.layers)
+    return jax.lax.map(lambda lw: keys_values(lw, c_btd, positions_bt, rope, eps), w.layers)
 
 
 def block_hidden(
@@ -263,14 +263,14 @@ def block_hidden(
       The final-normed hidden states [B, R, D] of the R rows `out_rows` names, for the target's LM head.
     """
     stack = cfg.layers
-    inv_freq, eps = rope_inv_freq(stack), stack.rms_norm_eps
+    rope, eps = Rotary.of(stack), stack.rms_norm_eps
 
     B, T = ids_bt.shape
 
     def layer(x_btd, lw, i, rows):
         h = rms_norm(x_btd, lw.attn_norm, eps)
-        k, v = keys_values(lw, h, positions_bt, inv_freq, eps)
-        q = queries(lw, h[:, rows], positions_bt[:, rows], inv_freq, eps)
+        k, v = keys_values(lw, h, positions_bt, rope, eps)
+        q = queries(lw, h[:, rows], positions_bt[:, rows], rope, eps)
         R = q.shape[1]
         q = q.reshape(B, R, stack.num_kv_heads, -1, stack.head_dim)
 

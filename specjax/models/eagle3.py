@@ -35,7 +35,7 @@ from specjax.config import MetadataFields, ModelConfig, RopeScaling, layer_sizes
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
 from specjax.models.attention import CachedKeys, attend, slots_below
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import ArraySpec, apply_rope, rms_norm, rope_inv_freq
+from specjax.models.llama import ArraySpec, Rotary, apply_rope, rms_norm
 from specjax.models.quantize import embed_rows
 from specjax.sharding import DEFAULT_RULES, constrain, named_sharding
 
@@ -105,7 +105,7 @@ class Eagle3Config:
                 f"0..{self.target_num_layers - 1} (inputs of those layers); the head was made for another target"
             )
 
-    # KVCache.empty and rope_inv_freq read these by name.
+    # KVCache.empty and Rotary.of read these by name.
     @property
     def num_layers(self) -> int:
         """The head has one decoder layer; its KV cache has L = 1."""
@@ -245,7 +245,7 @@ class Eagle3Config:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
         if self.rope_scaling is not None:
-            hf["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+            hf["rope_scaling"] = self.rope_scaling.to_hf()
         if self.target_hidden_size != self.hidden_size:
             hf["target_hidden_size"] = self.target_hidden_size
         if self.tap_layers != default_tap_layers(self.target_num_layers):
@@ -442,8 +442,8 @@ class Eagle3Head(nnx.Module):
         q = jnp.einsum("bte,enh->btnh", x, self.q[...])
         k = jnp.einsum("bte,ekh->btkh", x, self.k[...])
         v = jnp.einsum("bte,ekh->btkh", x, self.v[...])
-        inv_freq = rope_inv_freq(self.cfg)
-        return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
+        rope = Rotary.of(self.cfg)
+        return apply_rope(q, positions_bt, rope), apply_rope(k, positions_bt, rope), v
 
     def finish(self, g_btd: jax.Array, attn_btnh: jax.Array) -> jax.Array:
         """o_proj, residual on g, SwiGLU MLP: the midlayer's pre-norm output [B, T, D] (`readout`'s input).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -350,7 +350,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 class RopeFields(Protocol):
-    """What `rope_inv_freq` reads: ModelConfig and the EAGLE-3 head's Eagle3Config both have these fields."""
+    """What `rope_inv_freq` and `Rotary.of` read: ModelConfig and the EAGLE-3 head's Eagle3Config both have them."""
 
     head_dim: int
     rope_theta: float
@@ -358,7 +358,11 @@ class RopeFields(Protocol):
 
 
 def rope_inv_freq(cfg: RopeFields) -> np.ndarray:
-    """Inverse rotary frequencies [H/2], with llama3 / linear scaling applied.
+    """Inverse rotary frequencies [H/2], with linear / llama3 / yarn scaling applied (transformers' formulas).
+
+    Each scaling keeps a share of each frequency and divides the rest by `factor`: linear none, llama3 by wavelength
+    (the waves that turn more than high_freq_factor times over the original context keep it all, those below
+    low_freq_factor none), yarn by dimension (`_yarn_divided_share`).
 
     Args:
       cfg: any config with head_dim, rope_theta and rope_scaling (ModelConfig, Eagle3Config).
@@ -370,39 +374,77 @@ def rope_inv_freq(cfg: RopeFields) -> np.ndarray:
     if rs is None:
         return inv_freq.astype(np.float32)
     if rs.rope_type == "linear":
-        return (inv_freq / rs.factor).astype(np.float32)
-    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * np.pi / inv_freq
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor
-    )
-    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    scaled = np.where(medium, (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq, scaled)
-    return scaled.astype(np.float32)
+        kept = np.zeros_like(inv_freq)
+    elif rs.rope_type == "llama3":
+        turns = rs.original_max_position_embeddings * inv_freq / (2 * np.pi)
+        kept = np.clip((turns - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor), 0, 1)
+    else:
+        kept = 1 - _yarn_divided_share(cfg.head_dim, cfg.rope_theta, rs)
+    return (kept * inv_freq + (1 - kept) * inv_freq / rs.factor).astype(np.float32)
 
 
-def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotary embedding in the HF (rotate-half) layout."""
-    angles = positions_bt[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-    cos = jnp.cos(angles)[:, :, None, :].astype(x_btnh.dtype)
-    sin = jnp.sin(angles)[:, :, None, :].astype(x_btnh.dtype)
+def _yarn_divided_share(head_dim: int, theta: float, rs: RopeScaling) -> np.ndarray:
+    """YaRN's share of each frequency that is divided by `factor` [H/2]: 0 up to the dimension whose wave turns
+    beta_fast times over the original context, 1 from the one that turns beta_slow times, linear in between."""
+
+    def dim_turning(turns: float) -> float:
+        return head_dim * math.log(rs.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(rs.beta_fast), dim_turning(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: a ramp of one dimension
+    return np.clip((np.arange(head_dim // 2) - low) / (high - low), 0, 1)
+
+
+def rope_attention_factor(rs: RopeScaling | None) -> float:
+    """The factor on cos and sin: 1 but for yarn, whose `attention_factor` defaults to m(1), or to
+    m(mscale) / m(mscale_all_dim) when both are set, where m(s) = 0.1 s ln(factor) + 1 (1 for a factor <= 1)."""
+    if rs is None or rs.rope_type != "yarn":
+        return 1.0
+    if rs.attention_factor is not None:
+        return rs.attention_factor
+
+    def m(s: float) -> float:
+        return 0.1 * s * math.log(rs.factor) + 1.0 if rs.factor > 1 else 1.0
+
+    return m(rs.mscale) / m(rs.mscale_all_dim) if rs.mscale and rs.mscale_all_dim else m(1.0)
+
+
+class Rotary(NamedTuple):
+    """A config's rotary embedding, constant at trace time: inverse frequencies [H/2] (float32 numpy) and the factor
+    on cos and sin (`rope_attention_factor`)."""
+
+    inv_freq: np.ndarray
+    attention_factor: float
+
+    @classmethod
+    def of(cls, cfg: RopeFields) -> Rotary:
+        return cls(rope_inv_freq(cfg), rope_attention_factor(cfg.rope_scaling))
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, rope: Rotary) -> jax.Array:
+    """Rotary embedding in the HF (rotate-half) layout, cos and sin scaled by the attention factor."""
+    angles = positions_bt[..., None].astype(jnp.float32) * rope.inv_freq  # [B, T, H/2]
+    cos = (jnp.cos(angles) * rope.attention_factor)[:, :, None, :].astype(x_btnh.dtype)
+    sin = (jnp.sin(angles) * rope.attention_factor)[:, :, None, :].astype(x_btnh.dtype)
     x1, x2 = jnp.split(x_btnh, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def queries(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray, eps: float):
+def queries(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, rope: Rotary, eps: float):
     """One layer's rotated queries [B, T, N, H] from its normed input (bias and q-norm where the family has them)."""
     q = weight_einsum("btd,dnh->btnh", h_btd, lw.q)
     if lw.q_bias is not None:
         q = q + lw.q_bias
     if lw.q_norm is not None:
         q = rms_norm(q, lw.q_norm, eps)
-    return apply_rope(q, positions_bt, inv_freq)
+    return apply_rope(q, positions_bt, rope)
 
 
-def keys_values(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray, eps: float):
+def keys_values(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, rope: Rotary, eps: float):
     """One layer's rotated keys and values [B, T, K, H] from its normed input."""
     k = weight_einsum("btd,dkh->btkh", h_btd, lw.k)
     v = weight_einsum("btd,dkh->btkh", h_btd, lw.v)
@@ -410,7 +452,7 @@ def keys_values(lw: LayerWeights, h_btd: jax.Array, positions_bt: jax.Array, inv
         k, v = k + lw.k_bias, v + lw.v_bias
     if lw.k_norm is not None:
         k = rms_norm(k, lw.k_norm, eps)
-    return apply_rope(k, positions_bt, inv_freq), v
+    return apply_rope(k, positions_bt, rope), v
 
 
 def mlp_block(lw: LayerWeights, x_btd: jax.Array, eps: float) -> jax.Array:
@@ -461,7 +503,7 @@ def forward_new_kv(
         return seen if window is None else seen & (slots[None, None, :] > positions_bt[:, :, None] - window)
 
     live = jnp.max(cache.lengths)
-    inv_freq = rope_inv_freq(cfg)
+    rope = Rotary.of(cfg)
     K, G = cfg.num_kv_heads, cfg.group_size
     x_btd = embed_rows(weights.embed, tokens_bt)
     eps = cfg.rms_norm_eps
@@ -472,8 +514,8 @@ def forward_new_kv(
         x_btd, taps, i = carry
         taps = jnp.stack([jnp.where(i == t, x_btd, taps[j]) for j, t in enumerate(tap_layers)]) if tap_layers else taps
         h = rms_norm(x_btd, lw.attn_norm, eps)
-        q = queries(lw, h, positions_bt, inv_freq, eps)
-        k, v = keys_values(lw, h, positions_bt, inv_freq, eps)
+        q = queries(lw, h, positions_bt, rope, eps)
+        k, v = keys_values(lw, h, positions_bt, rope, eps)
         cached = CachedKeys(cache.k, cache.v, visible, live, layer=i)
         attn = attend(q.reshape(B, T, K, G, -1), k, v, new_mask_btt, cached)
         x_btd = x_btd + weight_einsum("btnh,nhd->btd", attn.reshape(B, T, cfg.num_heads, -1), lw.o)
