@@ -1,5 +1,10 @@
 """Attention by blocks up to the live length equals dense softmax attention, and equals transformers at 1-4k tokens
-for chunked prefills, one-token steps, chains and trees."""
+for chunked prefills, one-token steps, chains and trees; the TPU kernel that reads the target's cache, interpreted on
+this CPU, equals both."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +17,7 @@ from specjax.config import ModelConfig
 from specjax.models import attention
 from specjax.models.attention import CachedKeys, attend, slots_below, slots_where
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import forward, forward_new_kv, weights_from_hf
+from specjax.models.llama import forward, forward_new_kv, init_weights, weights_from_hf
 
 
 def dense(q, k_cache, v_cache, k_new, v_new, cache_mask, new_mask):
@@ -78,8 +83,116 @@ def test_an_empty_cache_reads_no_block(monkeypatch):
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "block,T,tree,window", [(16, 1, False, None), (48, 5, False, None), (16, 5, True, 30), (512, 5, True, None)]
+)
+def test_fused_kernel_equals_the_block_loop(monkeypatch, dtype, block, T, tree, window):
+    """The Pallas kernel, interpreted, against the pure-JAX loop and dense attention: rows of length 0, partial and a
+    full buffer, blocks that do not divide it, G = 2 queries per KV head, a chain or a tree of new tokens, a sliding
+    window, a stacked cache read at layer 1 (layer 0 all NaN); and NaN in every block a row does not see (each row's
+    own blocks, the kernel's skipping, stricter than the loop's longest row)."""
+    monkeypatch.setattr(attention, "KV_BLOCK", block)
+    rng = np.random.default_rng(block + T)
+    B, S, size = 4, 100, min(block, 100)
+    q, k_cache, v_cache, k_new, v_new = random_qkv(rng, B, T, S)
+    lengths = np.array([0, 37, 71, S], np.int32)
+    new_mask = np.tril(rng.random((B, T, T)) < 0.5 if tree else np.ones((B, T, T), bool)) | np.eye(T, dtype=bool)
+    first = None if window is None else lengths[:, None] + np.arange(T) - window + 1
+    slots = np.arange(S)[None, None, :]
+    cache_mask = (slots < lengths[:, None, None]) & (slots >= (0 if first is None else first[..., None]))
+    cache_mask = np.broadcast_to(cache_mask, (B, T, S))
+    expected = dense(*(x.astype(dtype) for x in (q, k_cache, v_cache, k_new, v_new)), cache_mask, new_mask)
+
+    def run(k, v):
+        args = [jnp.asarray(x, dtype) for x in (q, k_new, v_new, k, v)]
+        return attend(*args[:3], jnp.asarray(new_mask), CachedKeys.below(*args[3:], lengths, first, jnp.int32(1)))
+
+    stacked = [np.stack([np.full_like(x, np.nan), x]) for x in (k_cache, v_cache)]
+    loop = run(*stacked)
+    lows = np.zeros(B, int) if first is None else np.maximum(first.min(1), 0) // size * size
+    poisoned = [x.copy() for x in stacked]
+    for x in poisoned:
+        for b in range(B):
+            x[1, b, : lows[b]] = x[1, b, -(-lengths[b] // size) * size :] = np.nan
+    monkeypatch.setattr(attention, "INTERPRET", True)
+    fused = run(*poisoned)
+    tol = 2e-5 if dtype == np.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(fused, np.float32), expected, rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(loop, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_kernel_lowers_to_mosaic_for_tpu(dtype):
+    """Lowered for TPU on this CPU (TPU block-shape rules, scalar prefetch, strided and bit-cast loads into Mosaic
+    operations) at a Llama-3-8B layer's shapes: 8 KV heads of 4 queries, head size 128, 5 new tokens, a sliding window,
+    1600 slots (a last partial block). Mosaic's own compilation needs a TPU."""
+    B, T, S, K, G, H = 2, 5, 1600, 8, 4, 128
+    shape = jax.ShapeDtypeStruct
+    cache, stat, index = shape((2, B, S, K, H), dtype), shape((B, K, G, T), jnp.float32), shape((B,), jnp.int32)
+    state = (stat, stat, shape((B, K, G, T, H), jnp.float32))
+
+    def read(q, k, v, lengths, first, state, layer):
+        return attention.read_fused(q, CachedKeys.below(k, v, lengths, first, layer), state, dtype)
+
+    args = shape((B, T, K, G, H), dtype), cache, cache, index, shape((B, T), jnp.int32), state, shape((), jnp.int32)
+    lowered = jax.jit(read).trace(*args).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
+
+
+MESH_RUN = """
+import jax, jax.numpy as jnp, numpy as np
+from specjax.models import attention
+from specjax.models.attention import CachedKeys, attend
+from specjax.sharding import CACHE_AXES, make_mesh, named_sharding
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal(s).astype(np.float32) for s in [(2, 3, 2, 2, 8), (2, 2, 40, 2, 8), (2, 2, 40, 2, 8)])
+new, mask = rng.standard_normal((2, 3, 2, 8)).astype(np.float32), np.tril(np.ones((2, 3, 3), bool))
+attention.KV_BLOCK = 16
+run = lambda k, v: attend(q, new, new, mask, CachedKeys.below(k, v, jnp.array([37, 5]), layer=jnp.int32(1)))
+loop = run(k, v)
+attention.INTERPRET = True
+mesh = make_mesh({"data": 2, "tensor": 2})
+with jax.set_mesh(mesh):
+    k, v = (jax.device_put(x, named_sharding(CACHE_AXES, x.shape, mesh)) for x in (k, v))
+    fused = jax.jit(run)(k, v)
+    gathers = "all-gather" in jax.jit(run).lower(k, v).compile().as_text()
+print(float(np.abs(np.asarray(fused) - np.asarray(loop)).max()), gathers)
+"""
+
+
+def test_fused_kernel_on_a_mesh_reads_each_devices_shard():
+    """On a data=2,tensor=2 mesh of fake CPU devices, each device runs the kernel (interpreted) on its rows and KV
+    heads of the cache: the loop's output, and the cache is never gathered."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", MESH_RUN], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error, gathers = proc.stdout.split()
+    assert float(error) <= 1e-5 and gathers == "False", proc.stdout
+
+
 LONG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_target_forward_with_the_fused_kernel(monkeypatch, window):
+    """`forward_new_kv`, a chain of 4 tokens after rows of 20 and 50 cached tokens (a Mistral sliding window or
+    none), gives the loop's logits with the kernel (interpreted) reading the cache."""
+    monkeypatch.setattr(attention, "KV_BLOCK", 16)
+    hf = {**LONG, "model_type": "llama" if window is None else "mistral", "sliding_window": window}
+    cfg = ModelConfig.from_hf(hf)
+    weights = init_weights(cfg, jax.random.key(0), scale=0.2)
+    rng = np.random.default_rng(1)
+    cache = KVCache.empty(cfg, 2, 64)
+    cache = KVCache(*(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (cache.k, cache.v)),
+                    jnp.array([20, 50], jnp.int32))  # fmt: skip
+    positions = cache.lengths[:, None] + jnp.arange(4)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 4)), jnp.int32)
+    loop, _, _, _ = forward_new_kv(weights, cfg, tokens, positions, cache)
+    monkeypatch.setattr(attention, "INTERPRET", True)
+    fused, _, _, _ = forward_new_kv(weights, cfg, tokens, positions, cache)
+    assert rel_err(fused, loop) <= 1e-5
 
 
 def long_pair(config_cls, **extra):

@@ -5,17 +5,34 @@ cached steps) is `attend`: the new tokens' scores first, then the cached keys re
 online softmax (a running max and sum in float32, as flash attention keeps them), for as many blocks as hold the
 slots any query can see (`CachedKeys.live`). A buffer of 8k slots with 300 live tokens reads one block, not 8k slots;
 an empty cache (a prefill's first chunk) reads none.
+
+The cache's part has two implementations of one signature. On TPU, a cache that `CachedKeys.below` made (row b's
+first counts[b] slots, from a first slot per query: the target's cache, Mistral's sliding window included) read by at
+most `FUSED_MAX_TOKENS` new tokens is `read_fused`, one Pallas kernel that reads each row's own blocks only.
+Everything else (another platform, a prefill chunk, a visibility function: the draft heads' trees, training's masks)
+is `read_blocks`, the pure-JAX loop. Off TPU the kernel runs only interpreted, as the tests run it (`INTERPRET`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+from specjax.sharding import CACHE_AXES, partition_spec
 
 KV_BLOCK = 512  # cache slots read per block
+FUSED_MAX_TOKENS = 64  # the kernel's state for all new tokens of a row stays in VMEM: prefill chunks take the loop
+INTERPRET = False  # tests set it: the fused kernel, interpreted, on any platform
+NEG = float(jnp.finfo(jnp.float32).min)  # the loop's score of a slot not seen; the kernel's first running max
+
+State = tuple[jax.Array, jax.Array, jax.Array]  # online softmax: max, sum [B, K, G, T], weighted values [B, K, G, T, H]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +44,26 @@ class CachedKeys:
     visible: Callable[[jax.Array], jax.Array]  # slot ids [Sb] -> bool [B, T, Sb]: which of them each query sees
     live: jax.Array | int | None = None  # no query sees a slot >= live, so blocks past it are not read; None: all S
     layer: jax.Array | None = None
+    counts: jax.Array | None = None  # [B], set by `below`: `visible` is slots [first[b, t], counts[b]) of row b
+    first: jax.Array | None = None  # [B, T], set by `below`; None: 0
+
+    @classmethod
+    def below(
+        cls,
+        k: jax.Array,
+        v: jax.Array,
+        counts_b: jax.Array,
+        first_bt: jax.Array | None = None,
+        layer: jax.Array | int | None = None,
+    ) -> CachedKeys:
+        """Row b's first counts_b[b] slots, each query t seeing those at or past first_bt[b, t] when given (a sliding
+        window): the visibility the fused kernel reads from `counts` and `first`."""
+
+        def visible(slots):
+            seen = slots_below(counts_b)(slots)
+            return seen if first_bt is None else seen & (slots[None, None, :] >= first_bt[:, :, None])
+
+        return cls(k, v, visible, jnp.max(counts_b), layer, counts_b, first_bt)
 
     @property
     def num_slots(self) -> int:
@@ -60,40 +97,156 @@ def attend(
       q_btkgh: queries [B, T, K, G, H], rotary already applied.
       k_new_btkh, v_new_btkh: the new tokens' keys/values [B, T, K, H].
       new_mask_btt: bool [B, T, T], which new tokens each query sees; each sees at least itself.
-      cached: the cache's keys/values, read by blocks up to `cached.live` (cast to the new values' dtype).
+      cached: the cache's keys/values, read by blocks up to `cached.live` (cast to the new values' dtype); by the
+        fused kernel on TPU when `CachedKeys.below` made it.
     Returns:
       [B, T, K, G, H] in the dtype of the values; scores, softmax statistics and sums in float32.
     """
-    scale = q_btkgh.shape[-1] ** -0.5
-    neg = jnp.finfo(jnp.float32).min
-    dtype = v_new_btkh.dtype
-
-    def scores(k_bskh, seen_bts):
-        s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32) * scale
-        return jnp.where(seen_bts[:, None, None], s, neg)
-
-    def weighted(p_bkgts, v_bskh):
-        return jnp.einsum("bkgts,bskh->bkgth", p_bkgts.astype(dtype), v_bskh, preferred_element_type=jnp.float32)
-
-    s = scores(k_new_btkh, new_mask_btt)
+    s = scores(q_btkgh, k_new_btkh, new_mask_btt)
     m = s.max(-1)  # [B, K, G, T]; finite, as every query sees itself
     p = jnp.exp(s - m[..., None])
-    total, acc = p.sum(-1), weighted(p, v_new_btkh)
+    fused = cached.counts is not None and q_btkgh.shape[1] <= FUSED_MAX_TOKENS
+    read = read_fused if fused and (INTERPRET or jax.default_backend() == "tpu") else read_blocks
+    _, total, acc = read(q_btkgh, cached, (m, p.sum(-1), weighted(p, v_new_btkh)), v_new_btkh.dtype)
+    return jnp.einsum("bkgth->btkgh", acc / total[..., None]).astype(v_new_btkh.dtype)
 
+
+def scores(q_btkgh: jax.Array, k_bskh: jax.Array, seen_bts: jax.Array) -> jax.Array:
+    """Scaled float32 scores [B, K, G, T, S], NEG where a query does not see a key."""
+    s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    return jnp.where(seen_bts[:, None, None], s * q_btkgh.shape[-1] ** -0.5, NEG)
+
+
+def weighted(p_bkgts: jax.Array, v_bskh: jax.Array) -> jax.Array:
+    """Values weighted by probabilities p (in the values' dtype): float32 [B, K, G, T, H]."""
+    return jnp.einsum("bkgts,bskh->bkgth", p_bkgts.astype(v_bskh.dtype), v_bskh, preferred_element_type=jnp.float32)
+
+
+def read_blocks(q_btkgh: jax.Array, cached: CachedKeys, state: State, dtype) -> State:
+    """The online softmax `state` carried over the cache's blocks up to `cached.live` (keys and values cast to
+    `dtype`), in a loop of as many trips as they are."""
     S = cached.num_slots
     size = min(KV_BLOCK, S)
 
-    def block(j, carry):
-        m, total, acc = carry
+    def block(j, state):
+        m, total, acc = state
         first = j * size
         start = jnp.minimum(first, S - size)  # the last block may overlap the one before it: those slots are masked
         k, v = (x.astype(dtype) for x in cached.read(start, size))
         slots = start + jnp.arange(size)
-        s = scores(k, cached.visible(slots) & (slots >= first)[None, None, :])
+        s = scores(q_btkgh, k, cached.visible(slots) & (slots >= first)[None, None, :])
         m_new = jnp.maximum(m, s.max(-1))
         rescale, p = jnp.exp(m - m_new), jnp.exp(s - m_new[..., None])
         return m_new, total * rescale + p.sum(-1), acc * rescale[..., None] + weighted(p, v)
 
     blocks = -(-S // size) if cached.live is None else (cached.live + size - 1) // size
-    _, total, acc = jax.lax.fori_loop(0, blocks, block, (m, total, acc))
-    return jnp.einsum("bkgth->btkgh", acc / total[..., None]).astype(dtype)
+    return jax.lax.fori_loop(0, blocks, block, state)
+
+
+def read_fused(q_btkgh: jax.Array, cached: CachedKeys, state: State, dtype) -> State:
+    """`read_blocks` for a cache made by `CachedKeys.below`: the cache's part of the online softmax by
+    `cache_partials` (the Pallas kernel; on a mesh, each device on its rows and KV heads), merged with `state`."""
+    B, T, K, G, H = q_btkgh.shape
+    k, v = (x if cached.layer is not None else x[None] for x in (cached.k, cached.v))
+    first_bt = jnp.zeros((B, T), jnp.int32) if cached.first is None else cached.first.astype(jnp.int32)
+    args = (
+        cached.counts.astype(jnp.int32),
+        jnp.maximum(first_bt.min(1), 0),  # the first slot any query of the row sees
+        jnp.reshape(0 if cached.layer is None else cached.layer, (1,)).astype(jnp.int32),
+        jnp.einsum("btkgh->bkgth", q_btkgh).reshape(B, K, G * T, H),  # a KV head's query rows (g, t)
+        jnp.broadcast_to(first_bt[:, None, :], (B, G, T)).reshape(B, G * T, 1),
+        k,
+        v,
+    )
+    partials = functools.partial(cache_partials, size=min(KV_BLOCK, k.shape[2]), dtype=dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        _, rows, _, heads, _ = partition_spec(CACHE_AXES, k.shape, mesh)
+        cache = P(None, rows, None, heads)
+        in_specs = (P(rows), P(rows), P(), P(rows, heads), P(rows), cache, cache)
+        partials = jax.shard_map(partials, in_specs=in_specs, out_specs=(P(rows, heads),) * 3, check_vma=False)
+    m_c, total_c, acc_c = (x.reshape(B, K, G, T, -1) for x in partials(*args))
+    m, total, acc = state
+    m_new = jnp.maximum(m, m_c[..., 0])
+    a, c = jnp.exp(m - m_new), jnp.exp(m_c[..., 0] - m_new)
+    return m_new, total * a + total_c[..., 0] * c, acc * a[..., None] + acc_c * c[..., None]
+
+
+def cache_partials(counts, lows, layer, q, first, k, v, *, size: int, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The Pallas TPU kernel: the online softmax (max, sum [B, K, R, 1], weighted values [B, K, R, H], float32) of
+    queries q [B, K, R, H] over the cache k, v [L, B, S, K, H] at `layer`, row b seeing slots [first[b, r],
+    counts[b]) (lows[b]: the least first[b, :], at least 0).
+
+    Grid (B, blocks of `size` slots), the block axis sequential: step (b, j) reads slots j * size .. (j + 1) * size - 1
+    of row b, all KV heads at once (a [size, K, H] block, its last two dims whole: the cache is read in place, never
+    transposed), each head's keys and values by strided loads. Counts, lows and the layer come by scalar prefetch:
+    steps outside the blocks row b sees compute nothing, and their index map repeats a block it sees, so no copy is
+    issued for them. The running state stays in VMEM scratch along the row's steps and is written out at its last.
+    """
+    B, K, R, H = q.shape
+    S = k.shape[2]
+
+    def kernel(counts_ref, lows_ref, layer_ref, q_ref, first_ref, k_ref, v_ref, m_out, l_out, acc_out, m_ref, l_ref,
+               acc_ref):  # fmt: skip
+        b, j = pl.program_id(0), pl.program_id(1)
+        count = counts_ref[b]
+
+        @pl.when(j == 0)
+        def _():
+            m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)  # finite: p is 0, not NaN, while nothing is seen
+            l_ref[...], acc_ref[...] = jnp.zeros(l_ref.shape, jnp.float32), jnp.zeros(acc_ref.shape, jnp.float32)
+
+        @pl.when((j * size < count) & ((j + 1) * size > lows_ref[b]))
+        def _():
+            slots = j * size + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
+            seen = (slots < count) & (slots >= first_ref[...])  # [R, size]
+            keys, values = (ref.reshape(size * K, H) for ref in (k_ref, v_ref))  # head h of slot s: row s * K + h
+            for h in range(K):
+                k_h, v_h = (head_rows(x, h, K).astype(dtype) for x in (keys, values))
+                if S % size:  # the last block is partial: its values past the buffer are anything, even NaN
+                    v_h = jnp.where(j * size + jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0) < S, v_h, 0)
+                s = jax.lax.dot_general(q_ref[h], k_h, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                s = jnp.where(seen, s * H**-0.5, -jnp.inf)
+                m = m_ref[h]
+                m_new = jnp.maximum(m, s.max(1, keepdims=True))
+                rescale, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
+                m_ref[h], l_ref[h] = m_new, l_ref[h] * rescale + p.sum(1, keepdims=True)
+                acc_ref[h] = acc_ref[h] * rescale + jnp.dot(p.astype(dtype), v_h, preferred_element_type=jnp.float32)
+
+        @pl.when(j == pl.num_programs(1) - 1)
+        def _():
+            m_out[...], l_out[...], acc_out[...] = m_ref[...], l_ref[...], acc_ref[...]
+
+    def kv_block(b, j, counts_ref, lows_ref, layer_ref):  # j clamped to the blocks row b sees
+        last = jnp.maximum(jax.lax.div(counts_ref[b] + size - 1, size) - 1, 0)
+        return layer_ref[0], b, jnp.minimum(jnp.maximum(j, jax.lax.div(lows_ref[b], size)), last), 0, 0
+
+    def per_row(*shape):
+        return pl.BlockSpec((None, *shape), lambda b, j, *_: (b,) + (0,) * len(shape))
+
+    shapes = ((K, R, 1), (K, R, 1), (K, R, H))
+    cache_block = pl.BlockSpec((None, None, size, K, H), kv_block)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(B, pl.cdiv(S, size)),
+            in_specs=[per_row(K, R, H), per_row(R, 1), cache_block, cache_block],
+            out_specs=tuple(per_row(*shape) for shape in shapes),
+            scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in shapes],
+        ),
+        out_shape=tuple(jax.ShapeDtypeStruct((B, *shape), jnp.float32) for shape in shapes),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=INTERPRET,
+    )(counts, lows, layer, q, first, k, v)
+
+
+def head_rows(ref, h: int, K: int) -> jax.Array:
+    """Rows h, h + K, h + 2K, ... of a [n * K, H] ref: head h's keys or values [n, H] of n slots. bfloat16 is read
+    as 32-bit words (two heads each) and the head's half taken, as JAX's ragged paged attention kernel does instead
+    of Mosaic's strided loads of a packed type."""
+    n = ref.shape[0] // K
+    if ref.dtype != jnp.bfloat16 or K % 2:
+        return ref[pl.ds(h, n, stride=K), :]
+    words = ref.bitcast(jnp.uint32)[pl.ds(h // 2, n, stride=K // 2), :]
+    return pltpu.bitcast(words << 16 if h % 2 == 0 else words & jnp.uint32(0xFFFF0000), jnp.float32).astype(ref.dtype)

@@ -495,14 +495,11 @@ def forward_new_kv(
     if new_mask_btt is None:
         new_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
     window = cfg.sliding_window
+    first_bt = None  # the oldest cached slot each new token sees, where a sliding window bounds it
     if window is not None:
         new_mask_btt &= positions_bt[:, None, :] > positions_bt[:, :, None] - window
-
-    def visible(slots):  # a row's committed slots, within the sliding window where the family has one
-        seen = slots[None, None, :] < cache.lengths[:, None, None]
-        return seen if window is None else seen & (slots[None, None, :] > positions_bt[:, :, None] - window)
-
-    live = jnp.max(cache.lengths)
+        first_bt = positions_bt - window + 1
+    cached = CachedKeys.below(cache.k, cache.v, cache.lengths, first_bt)  # read at each layer
     rope = Rotary.of(cfg)
     K, G = cfg.num_kv_heads, cfg.group_size
     x_btd = embed_rows(weights.embed, tokens_bt)
@@ -516,8 +513,7 @@ def forward_new_kv(
         h = rms_norm(x_btd, lw.attn_norm, eps)
         q = queries(lw, h, positions_bt, rope, eps)
         k, v = keys_values(lw, h, positions_bt, rope, eps)
-        cached = CachedKeys(cache.k, cache.v, visible, live, layer=i)
-        attn = attend(q.reshape(B, T, K, G, -1), k, v, new_mask_btt, cached)
+        attn = attend(q.reshape(B, T, K, G, -1), k, v, new_mask_btt, dataclasses.replace(cached, layer=i))
         x_btd = x_btd + weight_einsum("btnh,nhd->btd", attn.reshape(B, T, cfg.num_heads, -1), lw.o)
         return (mlp_block(lw, x_btd, eps), taps, i + 1), (k, v)
 
