@@ -47,15 +47,18 @@ def inputs(batch: int, prompt_len: int):
     return tokens, jnp.full((batch,), prompt_len, jnp.int32), jax.random.key(0), Sampling.of(SamplingConfig(), batch)
 
 
-def test_plan_of_autoregressive_decoding_matches_compiled_memory():
-    cfg = ModelConfig("llama", 2048, 256, 768, 6, 8, 2, 32, max_position_embeddings=512)
+@pytest.mark.parametrize("batch, prompt_len, slots", [(8, 100, 256), (2, 1000, 1152)])
+def test_plan_of_autoregressive_decoding_matches_compiled_memory(batch, prompt_len, slots):
+    """A buffer of one attention block, and one of three (1152 slots), whose prefill scores its 1024 tokens over
+    themselves and then a block at a time: the plan counts no tokens x slots array, and neither does XLA."""
+    cfg = ModelConfig("llama", 2048, 256, 768, 6, 8, 2, 32, max_position_embeddings=2048)
     weights = jax.eval_shape(lambda: init_weights(cfg, jax.random.key(0)))
-    batch, prompt_len, max_new = 8, 128, 128
-    lowered = decode.lower(weights, *inputs(batch, prompt_len), cfg=cfg, max_new_tokens=max_new, eos_ids=(1,))
-    p = plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=100, max_new_tokens=max_new)  # bucket: 128
-    assert p.num_slots == 256 and p.kv_cache == 2 * 8 * 256 * 6 * 2 * 32 * 4 and p.drafter == 0
+    bucket, max_new = plan.prompt_bucket(prompt_len), 128
+    lowered = decode.lower(weights, *inputs(batch, bucket), cfg=cfg, max_new_tokens=max_new, eos_ids=(1,))
+    p = plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new)
+    assert p.num_slots == slots and p.kv_cache == 2 * 6 * batch * slots * 2 * 32 * 4 and p.drafter == 0
     assert p.weights == sum(x.size * 4 for x in jax.tree.leaves(weights))
-    assert p.activations > p.kv_cache  # the prefill's scores over 256 slots: the plan is not weights + KV alone
+    assert p.activations > p.kv_cache  # the prefill's scores: the plan is not weights + KV alone
     assert p.total == pytest.approx(measured_bytes(lowered), rel=0.10)
 
 
