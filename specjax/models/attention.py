@@ -126,7 +126,7 @@ def weighted(p_bkgts: jax.Array, v_bskh: jax.Array) -> jax.Array:
 
 def read_blocks(q_btkgh: jax.Array, cached: CachedKeys, state: State, dtype) -> State:
     """The online softmax `state` carried over the cache's blocks up to `cached.live` (keys and values cast to
-    `dtype`), in a loop that does the work of as many trips as they are."""
+    `dtype`), in a loop of as many trips as they are."""
     S = cached.num_slots
     size = min(KV_BLOCK, S)
 
@@ -141,12 +141,12 @@ def read_blocks(q_btkgh: jax.Array, cached: CachedKeys, state: State, dtype) -> 
         rescale, p = jnp.exp(m - m_new), jnp.exp(s - m_new[..., None])
         return m_new, total * rescale + p.sum(-1), acc * rescale[..., None] + weighted(p, v)
 
-    if isinstance(cached.live, int):
-        return jax.lax.fori_loop(0, -(-cached.live // size), block, state)
     every = -(-S // size)
-    if cached.live is None or every == 1:  # a static trip count, so reverse-mode differentiation works
-        return jax.lax.fori_loop(0, every, block, state)
-    return jax.lax.fori_loop(0, (cached.live + size - 1) // size, block, state)  # forward-mode differentiable only
+    if cached.live is None or (every == 1 and not isinstance(cached.live, int)):
+        blocks = every  # static, so reverse-mode differentiation works
+    else:
+        blocks = -(-cached.live // size)  # static for an int; traced, a loop of forward-mode differentiation only
+    return jax.lax.fori_loop(0, blocks, block, state)
 
 
 def read_fused(q_btkgh: jax.Array, cached: CachedKeys, state: State, dtype) -> State:
