@@ -548,6 +548,65 @@ def forward(
     return logits, taps, cache.write(k_new, v_new)
 
 
+def chunk_size(prefill_chunk: int | None, width: int | None = None) -> int:
+    """Prompt tokens per prefill forward: the number asked for, else the platform's (64 on the CPU, where small
+    chunks cost little; 512 on accelerators, whose matrix units a chunk fills); at most `width`, the prompts'.
+    Raises InputError below 1."""
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    chunk = prefill_chunk or (64 if jax.default_backend() == "cpu" else 512)
+    return min(chunk, width or chunk)
+
+
+def chunked_prefill(
+    weights: Weights,
+    cfg: ModelConfig,
+    tokens_bw: jax.Array,
+    lengths_b: jax.Array,
+    cache: KVCache,
+    chunk: int,
+    tap_layers: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """Runs right-padded prompts into an empty cache `chunk` tokens at a time, for as many chunks as the longest row
+    needs (ceil(max(lengths_b) / chunk), a traced trip count): prefill work follows the real prompt lengths, not the
+    padded width W. Every row writes every chunk (a row's padding lands past its length and is never committed).
+
+    Taps are collected into one [B, W, F] buffer rather than handed to a drafter per chunk: a drafter's commit pairs
+    each position's taps with the token after it, and the token after a row's last prompt position is the first
+    sampled one, known only once the prefill is done.
+
+    Returns:
+      (float32 logits at each row's last prompt token [B, V], taps [B, W, F] or None, the cache with lengths =
+      lengths_b).
+    """
+    B, W = tokens_bw.shape
+    chunk = chunk_size(chunk, W)
+    padded = -(-W // chunk) * chunk  # so every chunk's slices stay inside the buffers (dynamic slices clamp)
+    tokens_bw = jnp.pad(tokens_bw, [(0, 0), (0, padded - W)])
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
+    last_b = lengths_b - 1
+    taps_width = len(tap_layers) * cfg.hidden_size
+    taps0 = jnp.zeros((B, padded, taps_width), weights.embed.dtype) if tap_layers else None
+
+    def run_chunk(i, carry):
+        logits_bv, taps_bwf, cache = carry
+        start = i * chunk
+        tokens_bc = jax.lax.dynamic_slice_in_dim(tokens_bw, start, chunk, axis=1)
+        positions = jnp.broadcast_to(start + offsets, (B, chunk))
+        at = jnp.clip(last_b - start, 0, chunk - 1)[:, None]
+        logits, taps, cache = forward(weights, cfg, tokens_bc, positions, cache, None, tap_layers, at)
+        here = (last_b >= start) & (last_b < start + chunk)
+        logits_bv = jnp.where(here[:, None], logits[:, 0], logits_bv)
+        if tap_layers:
+            taps_bwf = jax.lax.dynamic_update_slice_in_dim(taps_bwf, taps.astype(taps_bwf.dtype), start, axis=1)
+        return logits_bv, taps_bwf, cache.at_lengths(jnp.full((B,), start + chunk, jnp.int32))
+
+    logits0 = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+    num_chunks = -(-jnp.max(lengths_b) // chunk)
+    logits_bv, taps_bwf, cache = jax.lax.fori_loop(0, num_chunks, run_chunk, (logits0, taps0, cache))
+    return logits_bv, None if taps_bwf is None else taps_bwf[:, :W], cache.at_lengths(lengths_b)
+
+
 def head_rows(weights: Weights) -> jax.Array | Int8Matrix:
     """The LM head as [V, D] rows (the embedding when tied), int8 where the weights are."""
     return weights.embed if weights.lm_head is None else weights.lm_head.T
