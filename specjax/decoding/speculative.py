@@ -105,13 +105,18 @@ class Loop:
         """D: the deepest draft of the menu."""
         return max(shape.depth for shape in self.shapes)
 
+    @property
+    def capacity(self) -> int:
+        """Slots past S the target cache holds for the menu's largest draft."""
+        return max(shape.capacity for shape in self.shapes)
+
 
 def start(loop: Loop, tokens_up, lengths_u, key, active_b, num_samples: int) -> tuple[SpecState, jax.Array]:
     """The state after the prefill and its first sampled token; and the rows' prompt lengths."""
     U, P = tokens_up.shape
     B = U * num_samples
     taps = loop.drafter.traits.tap_layers
-    num_slots = P + max(shape.capacity for shape in loop.shapes)
+    num_slots = P + loop.capacity
     pad = loop.eos_ids[0] if loop.eos_ids else 0
     # The barrier keeps XLA from constant-folding attention over the empty (all-zero) cache.
     cache = jax.lax.optimization_barrier(KVCache.empty(loop.cfg, U, num_slots, loop.weights.embed.dtype))
@@ -215,7 +220,7 @@ def write_back(loop: Loop, before: SpecState, after: SpecState, path: Path) -> S
 
 def finish(loop: Loop, s: SpecState, prompt_lengths_b: jax.Array) -> SpecOutput:
     """The generated tokens of each row [B, S] (S the prompts' width), padded after its count."""
-    positions = jnp.arange(s.tokens_bs.shape[1] - max(shape.capacity for shape in loop.shapes))[None, :]
+    positions = jnp.arange(s.tokens_bs.shape[1] - loop.capacity)[None, :]
     out = jnp.take_along_axis(s.tokens_bs, prompt_lengths_b[:, None] + positions, axis=1)
     out = jnp.where(positions < s.num_new_b[:, None], out, loop.eos_ids[0] if loop.eos_ids else 0)
     return SpecOutput(out, s)
