@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,20 +52,22 @@ def prefill(
     copies: int,
     chunk: int,
     tap_layers: tuple[int, ...] = (),
-) -> tuple[jax.Array, jax.Array | None, KVCache]:
-    """Runs U padded prompts into an empty cache of U rows by chunks (`chunked_prefill`), then gives each prompt
-    `copies` adjacent rows: N samples of a prompt share one prefill.
+    see_chunk: Callable[[Any, jax.Array, jax.Array | None], Any] | None = None,
+    seen: Any = None,
+) -> tuple[jax.Array, Any, KVCache]:
+    """Runs U padded prompts into an empty cache of U rows by chunks (`chunked_prefill`, which hands each chunk's taps
+    of the U rows to `see_chunk`), then gives each prompt `copies` adjacent rows: N samples of a prompt share one
+    prefill.
 
     Returns:
-      (logits at each row's last prompt token [U * copies, V], taps [U * copies, W, F] or None, cache of U * copies
-      rows with lengths = prompt lengths).
+      (logits at each row's last prompt token [U * copies, V], `seen` after the last chunk, cache of U * copies rows
+      with lengths = prompt lengths).
     """
     tokens_up = constrain(tokens_up, ("batch", None))  # rows over the data axis of a mesh
-    logits, taps, cache = chunked_prefill(weights, cfg, tokens_up, lengths_u, cache, chunk, tap_layers)
+    logits, seen, cache = chunked_prefill(weights, cfg, tokens_up, lengths_u, cache, chunk, tap_layers, see_chunk, seen)
     if copies == 1:
-        return logits, taps, cache
-    taps = None if taps is None else jnp.repeat(taps, copies, axis=0)
-    return jnp.repeat(logits, copies, axis=0), taps, cache.repeat_rows(copies)
+        return logits, seen, cache
+    return jnp.repeat(logits, copies, axis=0), seen, cache.repeat_rows(copies)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "eos_ids", "num_samples", "prefill_chunk"))

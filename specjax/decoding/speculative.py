@@ -51,7 +51,7 @@ from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, chunk_size, forward_new_kv
 from specjax.sampling import Sampling, sample
-from specjax.sharding import set_rows
+from specjax.sharding import get_rows, set_rows
 
 
 @jax.tree_util.register_dataclass
@@ -112,23 +112,45 @@ class Loop:
 
 
 def start(loop: Loop, tokens_up, lengths_u, key, active_b, num_samples: int) -> tuple[SpecState, jax.Array]:
-    """The state after the prefill and its first sampled token; and the rows' prompt lengths."""
+    """The state after the prefill and its first sampled token; and the rows' prompt lengths.
+
+    The drafter commits the prompt chunk by chunk, as the prefill makes the target's taps (`commit` is per position,
+    as the loop's own commits of each round's path are), rather than once from a [B, S, F] buffer of them, which at
+    long contexts would rival the cache. Each row's last prompt position waits, its taps kept, for the token after
+    it: the first sampled one."""
     U, P = tokens_up.shape
     B = U * num_samples
-    taps = loop.drafter.traits.tap_layers
+    drafter, taps = loop.drafter, loop.drafter.traits.tap_layers
     num_slots = P + loop.capacity
     pad = loop.eos_ids[0] if loop.eos_ids else 0
-    # The barrier keeps XLA from constant-folding attention over the empty (all-zero) cache.
+    tokens_bp, lengths_b = (jnp.repeat(x, num_samples, axis=0) for x in (tokens_up, lengths_u))
+    # The barriers keep XLA from constant-folding work over the empty (all-zero) caches.
+    draft_state = jax.lax.optimization_barrier(drafter.init(tokens_bp, lengths_b, num_slots))
     cache = jax.lax.optimization_barrier(KVCache.empty(loop.cfg, U, num_slots, loop.weights.embed.dtype))
-    logits_bv, taps_bpf, cache = prefill(loop.weights, loop.cfg, tokens_up, lengths_u, cache, num_samples,
-                                         loop.prefill_chunk, taps)  # fmt: skip
-    tokens_bp, lengths_b = jnp.repeat(tokens_up, num_samples, axis=0), cache.lengths
+
+    def commit_chunk(seen, start, taps_ucf):
+        """Commits the chunk's positions but each row's last prompt one, whose taps it keeps."""
+        draft_state, last_bf = seen
+        C = chunk_size(loop.prefill_chunk, P)
+        taps_bcf = None if taps_ucf is None else jnp.repeat(taps_ucf, num_samples, axis=0)
+        next_bc = jnp.take(tokens_bp, start + 1 + jnp.arange(C), axis=1, mode="clip")
+        at_b = lengths_b - 1 - start  # the last prompt position, in the chunk
+        if taps_bcf is not None:
+            here = ((at_b >= 0) & (at_b < C))[:, None]
+            last_bf = jnp.where(here, get_rows(taps_bcf, jnp.clip(at_b, 0, C - 1)), last_bf)
+        return drafter.commit(draft_state, next_bc, taps_bcf, jnp.clip(at_b, 0, C)), last_bf
+
+    last0 = jnp.zeros((B, len(taps) * loop.cfg.hidden_size), loop.weights.embed.dtype) if taps else None
+    logits_bv, (draft_state, last_bf), cache = prefill(
+        loop.weights, loop.cfg, tokens_up, lengths_u, cache, num_samples, loop.prefill_chunk, taps, commit_chunk,
+        (draft_state, last0),
+    )  # fmt: skip
     key, sub = jax.random.split(key)
     first = sample(sub, logits_bv, loop.sampling)
     tokens_bs = jnp.full((B, num_slots), pad, jnp.int32).at[:, :P].set(tokens_bp)
     tokens_bs = set_rows(tokens_bs, lengths_b, first)
-    draft_state = jax.lax.optimization_barrier(loop.drafter.init(tokens_bp, lengths_b, num_slots))
-    draft_state = loop.drafter.commit(draft_state, tokens_bs[:, 1 : P + 1], taps_bpf, lengths_b)
+    last_b1f = None if last_bf is None else last_bf[:, None]
+    draft_state = drafter.commit(draft_state, first[:, None], last_b1f, jnp.ones((B,), jnp.int32))
     depths = [shape.depth for shape in loop.shapes]
     state = SpecState(
         tokens_bs=tokens_bs,

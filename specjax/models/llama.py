@@ -566,45 +566,42 @@ def chunked_prefill(
     cache: KVCache,
     chunk: int,
     tap_layers: tuple[int, ...] = (),
-) -> tuple[jax.Array, jax.Array | None, KVCache]:
-    """Runs right-padded prompts into an empty cache `chunk` tokens at a time, for as many chunks as the longest row
-    needs (ceil(max(lengths_b) / chunk), a traced trip count): prefill work follows the real prompt lengths, not the
-    padded width W. Every row writes every chunk (a row's padding lands past its length and is never committed).
+    see_chunk: Callable[[Any, jax.Array, jax.Array | None], Any] | None = None,
+    seen: Any = None,
+) -> tuple[jax.Array, Any, KVCache]:
+    """Runs right-padded prompts [B, W] into an empty cache `chunk` tokens at a time, for as many chunks as the longest
+    row needs (ceil(max(lengths_b) / chunk), a traced trip count): prefill work follows the real prompt lengths, not
+    the padded width. Every row writes every chunk (a row's padding lands past its length and is never committed).
 
-    Taps are collected into one [B, W, F] buffer rather than handed to a drafter per chunk: a drafter's commit pairs
-    each position's taps with the token after it, and the token after a row's last prompt position is the first
-    sampled one, known only once the prefill is done.
+    `see_chunk(seen, start, taps)`, when given, sees each chunk as it is made: its first position and its taps
+    [B, chunk, F] (None without tap layers), and returns the new `seen` (a drafter's commit of those positions), so no
+    buffer of the whole prompt's taps is ever held.
 
     Returns:
-      (float32 logits at each row's last prompt token [B, V], taps [B, W, F] or None, the cache with lengths =
+      (float32 logits at each row's last prompt token [B, V], `seen` after the last chunk, the cache with lengths =
       lengths_b).
     """
     B, W = tokens_bw.shape
     chunk = chunk_size(chunk, W)
-    padded = -(-W // chunk) * chunk  # so every chunk's slices stay inside the buffers (dynamic slices clamp)
-    tokens_bw = jnp.pad(tokens_bw, [(0, 0), (0, padded - W)])
     offsets = jnp.arange(chunk, dtype=jnp.int32)
     last_b = lengths_b - 1
-    taps_width = len(tap_layers) * cfg.hidden_size
-    taps0 = jnp.zeros((B, padded, taps_width), weights.embed.dtype) if tap_layers else None
 
     def run_chunk(i, carry):
-        logits_bv, taps_bwf, cache = carry
+        logits_bv, seen, cache = carry
         start = i * chunk
-        tokens_bc = jax.lax.dynamic_slice_in_dim(tokens_bw, start, chunk, axis=1)
+        tokens_bc = jnp.take(tokens_bw, start + offsets, axis=1, mode="clip")  # past W: past every prompt
         positions = jnp.broadcast_to(start + offsets, (B, chunk))
         at = jnp.clip(last_b - start, 0, chunk - 1)[:, None]
         logits, taps, cache = forward(weights, cfg, tokens_bc, positions, cache, None, tap_layers, at)
         here = (last_b >= start) & (last_b < start + chunk)
         logits_bv = jnp.where(here[:, None], logits[:, 0], logits_bv)
-        if tap_layers:
-            taps_bwf = jax.lax.dynamic_update_slice_in_dim(taps_bwf, taps.astype(taps_bwf.dtype), start, axis=1)
-        return logits_bv, taps_bwf, cache.at_lengths(jnp.full((B,), start + chunk, jnp.int32))
+        seen = seen if see_chunk is None else see_chunk(seen, start, taps)
+        return logits_bv, seen, cache.at_lengths(jnp.full((B,), start + chunk, jnp.int32))
 
     logits0 = jnp.zeros((B, cfg.vocab_size), jnp.float32)
     num_chunks = -(-jnp.max(lengths_b) // chunk)
-    logits_bv, taps_bwf, cache = jax.lax.fori_loop(0, num_chunks, run_chunk, (logits0, taps0, cache))
-    return logits_bv, None if taps_bwf is None else taps_bwf[:, :W], cache.at_lengths(lengths_b)
+    logits_bv, seen, cache = jax.lax.fori_loop(0, num_chunks, run_chunk, (logits0, seen, cache))
+    return logits_bv, seen, cache.at_lengths(lengths_b)
 
 
 def head_rows(weights: Weights) -> jax.Array | Int8Matrix:
