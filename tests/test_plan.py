@@ -50,15 +50,18 @@ def inputs(cfg: ModelConfig, batch: int, prompt_len: int, max_new: int):
     return tokens, lengths, limits, jax.random.key(0), Sampling.of(SamplingConfig(), batch)
 
 
-def test_plan_of_autoregressive_decoding_matches_compiled_memory():
-    cfg = ModelConfig("llama", 2048, 256, 768, 6, 8, 2, 32, max_position_embeddings=512)
+@pytest.mark.parametrize("batch, prompt_len, slots", [(8, 100, 256), (2, 1000, 2048)])
+def test_plan_of_autoregressive_decoding_matches_compiled_memory(batch, prompt_len, slots):
+    """A buffer of one attention block, and one of four (2048 slots), whose prefill scores each 64-token chunk over
+    itself and then a block at a time: the plan counts no tokens x slots array, and neither does XLA."""
+    cfg = ModelConfig("llama", 2048, 256, 768, 6, 8, 2, 32, max_position_embeddings=2048)
     weights = jax.eval_shape(lambda: init_weights(cfg, jax.random.key(0)))
-    batch, prompt_len, max_new = 8, 100, 128
+    max_new = 128
     lowered = decode.lower(weights, *inputs(cfg, batch, prompt_len, max_new), cfg=cfg, eos_ids=(1,), prefill_chunk=64)
-    p = plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=100, max_new_tokens=max_new, prefill_chunk=64)
-    assert p.num_slots == 256 and p.kv_cache == 2 * 8 * 256 * 6 * 2 * 32 * 4 and p.drafter == 0
+    p = plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new, prefill_chunk=64)
+    assert p.num_slots == slots and p.kv_cache == 2 * 6 * batch * slots * 2 * 32 * 4 and p.drafter == 0
     assert p.weights == sum(x.size * 4 for x in jax.tree.leaves(weights))
-    assert p.activations > p.kv_cache  # the prefill's scores over 256 slots: the plan is not weights + KV alone
+    assert p.activations > 0  # a prefill chunk's scores, keys and values: the plan is not weights + KV alone
     assert p.total == pytest.approx(measured_bytes(lowered), rel=0.10)
 
 

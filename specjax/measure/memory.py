@@ -7,11 +7,13 @@ The loops of `specjax.decoding.autoregressive` and `specjax.decoding.speculative
   size them;
 - the drafter's own weights and its state (exact: the shapes `drafter.init` returns, traced without running);
 - the activations of the largest forward, one prefill chunk or one verification: float32 attention
-  scores and probabilities over every slot, the new keys and values of all layers before they enter the cache, one
+  scores and probabilities of the new tokens over themselves or over one block of cache slots (`attend` reads the
+  cache by blocks: never tokens x slots), the new keys and values of all layers before they enter the cache, one
   layer's weights (the layer scan slices them), the residual stream, and float32 logits where they are computed.
 
-On the CPU this is within 10% of what XLA's compiled memory analysis reports (tests/test_plan.py): within 2% for
-the autoregressive loop, 7-9% under for the speculative one, whose XLA buffers hold part of the cache twice.
+The speculative loop's XLA buffers also hold half its cache twice (its keys or its values), which the plan adds to
+the activations. On the CPU this is within 10% of what XLA's compiled memory analysis reports (tests/test_plan.py),
+for buffers of one block and of several.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from specjax.drafters.base import Drafter
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.host import GIB
+from specjax.models.attention import KV_BLOCK
 from specjax.models.llama import Weights, chunk_size, weight_bytes
 from specjax.sampling import Sampling
 from specjax.sharding import CACHE_AXES, larger_meshes, shard_fraction
@@ -98,8 +101,9 @@ def forward_activations(
         return shard_fraction(*zip(*axes_and_dims), mesh) if mesh else 1
 
     rows = ("batch", B)
-    # float32 scores and probabilities over the cache slots and the new tokens
-    scores = 2 * B * cfg.num_heads * T * (slots + T) * 4 // split(rows, ("heads", cfg.num_heads))
+    # float32 scores and probabilities of the new tokens over themselves, then over one block of cache slots at a time
+    keys = max(T, min(KV_BLOCK, slots))
+    scores = 2 * B * cfg.num_heads * T * keys * 4 // split(rows, ("heads", cfg.num_heads))
     new_kv = 2 * L * B * T * cfg.num_kv_heads * cfg.head_dim * size // split(rows, ("kv_heads", cfg.num_kv_heads))
     none = dataclasses.replace(cfg, num_layers=0)
     layer = (weight_bytes(cfg, dtype, mesh) - weight_bytes(none, dtype, mesh)) // L
@@ -162,7 +166,8 @@ def memory_plan(
         own = [x for x in jax.tree.leaves(drafter) if id(x) not in shared]
         state, drafter_work = _drafter_state_and_work(cfg, dtype, drafter, draft_shape, batch, P, slots)
         drafter_bytes = _nbytes(own) + _nbytes(state)
-        activations = max(activations, drafter_work)
+        # XLA holds a second copy of half the target's cache (its keys or its values) across the loop's writes.
+        activations = max(activations, drafter_work) + kv // 2
     if not mesh:
         return MemoryPlan(batch, slots, (), weight_bytes(cfg, dtype, quantize=quantize), kv, drafter_bytes, activations)
     kv_split = shard_fraction(CACHE_AXES, cache_shape, mesh)

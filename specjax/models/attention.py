@@ -42,7 +42,9 @@ class CachedKeys:
     k: jax.Array  # [B, S, K, H], or every layer's [L, B, S, K, H], read at `layer`
     v: jax.Array
     visible: Callable[[jax.Array], jax.Array]  # slot ids [Sb] -> bool [B, T, Sb]: which of them each query sees
-    live: jax.Array | int | None = None  # no query sees a slot >= live, so blocks past it are not read; None: all S
+    # No query sees a slot >= live, so blocks past it are not read; None: all S. Traced (the target's cache) over more
+    # than one block, it makes a loop that reverse-mode differentiation cannot go through (training passes None).
+    live: jax.Array | int | None = None
     layer: jax.Array | None = None
     counts: jax.Array | None = None  # [B], set by `below`: `visible` is slots [first[b, t], counts[b]) of row b
     first: jax.Array | None = None  # [B, T], set by `below`; None: 0
@@ -124,7 +126,7 @@ def weighted(p_bkgts: jax.Array, v_bskh: jax.Array) -> jax.Array:
 
 def read_blocks(q_btkgh: jax.Array, cached: CachedKeys, state: State, dtype) -> State:
     """The online softmax `state` carried over the cache's blocks up to `cached.live` (keys and values cast to
-    `dtype`), in a loop of as many trips as they are."""
+    `dtype`), in a loop that does the work of as many trips as they are."""
     S = cached.num_slots
     size = min(KV_BLOCK, S)
 
@@ -139,8 +141,12 @@ def read_blocks(q_btkgh: jax.Array, cached: CachedKeys, state: State, dtype) -> 
         rescale, p = jnp.exp(m - m_new), jnp.exp(s - m_new[..., None])
         return m_new, total * rescale + p.sum(-1), acc * rescale[..., None] + weighted(p, v)
 
-    blocks = -(-S // size) if cached.live is None else (cached.live + size - 1) // size
-    return jax.lax.fori_loop(0, blocks, block, state)
+    if isinstance(cached.live, int):
+        return jax.lax.fori_loop(0, -(-cached.live // size), block, state)
+    every = -(-S // size)
+    if cached.live is None or every == 1:  # a static trip count, so reverse-mode differentiation works
+        return jax.lax.fori_loop(0, every, block, state)
+    return jax.lax.fori_loop(0, (cached.live + size - 1) // size, block, state)  # forward-mode differentiable only
 
 
 def read_fused(q_btkgh: jax.Array, cached: CachedKeys, state: State, dtype) -> State:
