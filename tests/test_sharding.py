@@ -79,21 +79,20 @@ def test_decode_programs_hold_only_the_collectives_tensor_parallelism_needs(tmp_
     # A target forward (the prefill; a step or a verification): in the layer scan one reduction after attention and
     # one after the MLP; one for the embedding lookup of the vocabulary-split table; the argmax over the
     # vocabulary-split logits, values and ids from each tensor shard. The loop's "all rows done" over the data axis.
-    # The cache is written and read shard by shard: no other collective but the longest row's length over the data
-    # axis (a scalar), which bounds the attention's blocks (XLA merges those of the tree loop's forwards into one).
+    # The cache is written and read shard by shard: no other collective. (These buffers are one attention block; a
+    # longer one adds the longest row's length over the data axis, a scalar that bounds the blocks read.)
     forward = [out_proj, mlp_down, "all-reduce:gather", "all-gather:reduce", "all-gather:reduce"]
-    live = "all-reduce:reduce_max"
-    assert programs["plain"] == sorted(forward * 2 + ["all-reduce:reduce_and"] + [live] * 2)
+    assert programs["plain"] == sorted(forward * 2 + ["all-reduce:reduce_and"])
     # The speculative loop adds the acceptance histogram over the data axis, and the head split by its own rules: its
     # commit's embedding lookup (after the prefill and each verification) and, per pass of its layer (the root, then
     # the chain's scanned step or each tree level), the two reductions and the draft logits' gather (the chain's
     # argmax values and ids, a tree level's logits for top-k). No draft step looks up the vocabulary-split embedding.
     speculative = sorted(forward * 2 + ["all-reduce:reduce_and", "all-reduce:reduce_sum"] + ["all-reduce:gather"] * 2)
     head_pass = [out_proj, mlp_down, "all-gather:reduce", "all-gather:reduce"]
-    assert programs["chain"] == sorted(speculative + head_pass * 2 + [live] * 2)
-    assert programs["tree"] == sorted(speculative + [out_proj, mlp_down, "all-gather:sharding_constraint"] * 3 + [live])
+    assert programs["chain"] == sorted(speculative + head_pass * 2)
+    assert programs["tree"] == sorted(speculative + [out_proj, mlp_down, "all-gather:sharding_constraint"] * 3)
     # Each moves one data shard's own rows (2 of the 4) of activations or logits, never a weight or another shard's
-    # rows; besides, "all rows done", the live length and the histogram.
+    # rows; besides, "all rows done" and the histogram.
     moved = [c["shape"] for name in programs for c in found[name]]
     assert all(re.match(r"\w+\[2,", shape) or shape in ("pred[]", "s32[]", "s32[4]{0}") for shape in moved), moved
     assert found["head placement"] == HEAD_PLACEMENT
