@@ -38,8 +38,8 @@ def hf_smollm2():
 
 @pytest.fixture(scope="session")
 def save_tiny_llama(smollm2):
-    """save(folder, num_layers): writes a tiny random llama HF folder (16 wide, 2 heads over 1 KV head, at most 96
-    tokens, EOS 2) with SmolLM2's tokenizer, and returns its config."""
+    """save(folder, num_layers, max_len=96): writes a tiny random llama HF folder (16 wide, 2 heads over 1 KV head, at
+    most max_len tokens, EOS 2) with SmolLM2's tokenizer, and returns its config."""
     import jax
 
     from specjax.config import ModelConfig
@@ -48,10 +48,11 @@ def save_tiny_llama(smollm2):
 
     tokenizer = smollm2.tokenizer
 
-    def save(folder, num_layers: int):
+    def save(folder, num_layers: int, max_len: int = 96):
         cfg = ModelConfig(
-            "llama", tokenizer.vocab_size, 16, 32, num_layers, 2, 1, 8, max_position_embeddings=96, eos_token_ids=(2,)
-        )
+            "llama", tokenizer.vocab_size, 16, 32, num_layers, 2, 1, 8, max_position_embeddings=max_len,
+            eos_token_ids=(2,),
+        )  # fmt: skip
         save_hf(folder, cfg, init_weights(cfg, jax.random.key(0)))
         tokenizer.to_folder(folder)
         return cfg

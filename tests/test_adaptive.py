@@ -17,7 +17,7 @@ import specjax.decoding.speculative as spec
 from specjax.adaptive import Adaptive, choose, first_pace, observe, paces, rates, step_pace
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
-from specjax.decoding.batch import prepare_batch
+from specjax.decoding.batch import pack_prompts, prepare_batch
 from specjax.decoding.stats import SpecStats
 from specjax.drafters import LookupFirstDrafter, ModelDrafter, NgramDrafter
 from specjax.errors import InputError
@@ -131,9 +131,9 @@ def test_the_cache_is_not_copied_through_the_switch():
 
     def cache_copies(menu: Adaptive) -> int:
         args = (WEIGHTS, NgramDrafter(max_n=2), menu, jnp.asarray(req.tokens), jnp.asarray(req.lengths),
-                jax.random.key(0), req.sampling, jnp.asarray(req.active))  # fmt: skip
-        hlo = spec.speculative_decode.lower(*args, cfg=CFG, max_new_tokens=MAX_NEW, eos_ids=())
-        slots = req.tokens.shape[1] + MAX_NEW + max(menu.menu) + 1  # the cache's: prompt, outputs, a round's draft
+                jnp.asarray(req.max_new), jax.random.key(0), req.sampling, jnp.asarray(req.active))  # fmt: skip
+        hlo = spec.speculative_decode.lower(*args, cfg=CFG, eos_ids=(), prefill_chunk=64)
+        slots = req.tokens.shape[1] + max(menu.menu) + 1  # the cache's: S, and a round's draft
         cache = f"f32[{CFG.num_layers},{len(PROMPTS)},{slots},{CFG.num_kv_heads},{CFG.head_dim}]"
         return len(re.findall(rf"= {re.escape(cache)}{{[^}}]*}} copy\(", hlo.compile().as_text()))
 
@@ -148,9 +148,10 @@ def test_sampled_output_keeps_the_target_distribution_with_plain_steps_among_the
     prompt, samples, V = [3, 5], 32768, 8
     sampling = SamplingConfig(temperature=1.0)
     menu = Adaptive.of((0, 2), [1.0, 1.9])  # at the prior 0.6 two drafts pay (1.96 / 1.9 > 1); below ~0.58 not
+    tokens, lengths = pack_prompts([prompt], 1, toy.max_position_embeddings)
     out = spec.speculative_decode(
-        weights, NgramDrafter(max_n=1), menu, jnp.asarray([prompt], jnp.int32), jnp.asarray([2], jnp.int32),
-        jax.random.key(0), Sampling.of(sampling), cfg=toy, max_new_tokens=4, eos_ids=(), num_samples=samples,
+        weights, NgramDrafter(max_n=1), menu, tokens, lengths, np.full(samples, 4, np.int32), jax.random.key(0),
+        Sampling.of(sampling), cfg=toy, eos_ids=(), num_samples=samples, prefill_chunk=2,
     )  # fmt: skip
     by_entry = np.asarray(out.state.menu_rounds)
     assert by_entry[0] > 0 and by_entry[1] > 0  # both kinds of round ran

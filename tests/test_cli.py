@@ -1,4 +1,5 @@
-"""specjax-generate end to end: JSON output, and one clear line with exit code 2 for every kind of bad input."""
+"""specjax-generate end to end: JSON output, few compilations over many requests, and one clear line with exit code 2
+for every kind of bad input."""
 
 import json
 
@@ -6,7 +7,9 @@ import numpy as np
 import pytest
 
 from specjax.cli.generate import entry
-from specjax.io.loading import embedded_gguf
+from specjax.decoding import batch
+from specjax.decoding.autoregressive import generate
+from specjax.io.loading import embedded_gguf, load_model
 from specjax.io.tokenizer import Tokenizer
 
 
@@ -110,6 +113,14 @@ BAD = {
         "cannot create the output folder",
     ),
     "zero new tokens": (lambda tmp, tiny: ["--model", str(tiny), "--max-new-tokens", "0"], "max-new-tokens"),
+    "zero prefill chunk": (lambda tmp, tiny: ["--model", str(tiny), "--prefill-chunk", "0"], "--prefill-chunk"),
+    "prompts file with a bad max_new_tokens": (
+        lambda tmp, tiny: (
+            tmp.joinpath("p.jsonl").write_text('{"prompt": "hi", "max_new_tokens": 0}\n'),
+            ["--model", str(tiny), "--prompts-file", str(tmp / "p.jsonl")],
+        )[1],
+        "max_new_tokens",
+    ),
     "unknown flag": (lambda tmp, tiny: ["--model", str(tiny), "--frobnicate"], "frobnicate"),
 }
 
@@ -196,3 +207,38 @@ def test_the_clis_add_onednn_dots_unless_xla_flags_set_that_option(monkeypatch):
     monkeypatch.setattr(cli.platform, "machine", lambda: "aarch64")
     cli.prefer_onednn_dots()
     assert "XLA_FLAGS" not in cli.os.environ
+
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven red birds sing".split()
+
+
+def test_many_requests_compile_few_programs_and_decode_as_each_alone(save_tiny_llama, tmp_path, caplog):
+    """20 requests of 5..290 prompt tokens and 2..12 new tokens, in batches of 4, in one process: a handful of
+    programs per mode (one per power-of-two width), and each request's greedy output is what it gets decoded alone."""
+    folder = tmp_path / "model"
+    save_tiny_llama(folder, 2, max_len=1024)
+    lines = [
+        {"prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(5 + 15 * i)), "max_new_tokens": 2 + 7 * i % 11}
+        for i in range(20)
+    ]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    model = load_model(str(folder))
+    for drafter in ("none", "ngram"):
+        before = batch.compilations()
+        out = tmp_path / f"{drafter}.json"
+        entry(["--model", str(folder), "--raw", "--prompts-file", str(prompts), "--batch-size", "4", "--drafter",
+               drafter, "--num-draft-tokens", "3", "--prefill-chunk", "32", "--json", str(out)])  # fmt: skip
+        report = json.loads(out.read_text())
+        new = {name: n - before.get(name, 0) for name, n in batch.compilations().items()}
+        assert report["compilations"] == batch.compilations()
+        assert 1 <= sum(new.values()) <= 4, new
+        each = ", ".join(f"{name} x{n}" for name, n in batch.compilations().items())
+        assert f"compiled {sum(batch.compilations().values())} programs ({each}) in" in caplog.messages[-1]
+        results = report["results"]
+        lengths = [len(r["prompt_ids"]) for r in results]
+        assert min(lengths) <= 8 and max(lengths) > 256  # both widths: 256 and 512 slots
+        for line, r in zip(lines, results):
+            alone = generate(model.weights, model.cfg, [r["prompt_ids"]], max_new_tokens=line["max_new_tokens"],
+                             eos_ids=model.eos_ids)  # fmt: skip
+            assert r["output_ids"] == alone.completions[0].output_ids

@@ -67,7 +67,7 @@ def test_block_forward_matches_the_pytorch_reference(tmp_path):
     ref_weights = load_file(str(tmp_path / "model.safetensors"))
     ref_config = json.loads((tmp_path / "config.json").read_text())
 
-    tokens, lengths = pack_prompts(PROMPTS[:2], 2)
+    tokens, lengths = pack_prompts(PROMPTS[:2], 2, 64)
     lengths = np.asarray(lengths)
     B, P = tokens.shape
     _, taps, _ = forward(
@@ -97,12 +97,12 @@ def test_greedy_identical_to_autoregressive_with_a_fresh_context_cache(k, vocab)
     equals the context a fresh target prefill of the committed text gives."""
     drafter = DRAFT if vocab is None else DFlashDrafter.for_target(random_draft(1, vocab), CFG, TARGET)
     expected = ar_generate(TARGET, TARGET_CFG, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=()).completions
-    tokens, lengths = pack_prompts(PROMPTS, len(PROMPTS))
+    tokens, lengths = pack_prompts(PROMPTS, len(PROMPTS), TARGET_CFG.max_position_embeddings)
     out = spec.speculative_decode(
-        TARGET, drafter, Fixed(k), tokens, lengths, jax.random.key(0), Sampling.of(SamplingConfig(), len(PROMPTS)),
-        cfg=TARGET_CFG, max_new_tokens=MAX_NEW, eos_ids=(),
+        TARGET, drafter, Fixed(k), tokens, lengths, np.full(len(PROMPTS), MAX_NEW, np.int32), jax.random.key(0),
+        Sampling.of(SamplingConfig(), len(PROMPTS)), cfg=TARGET_CFG, eos_ids=(), prefill_chunk=4,
     )  # fmt: skip
-    assert np.asarray(out.out_bn).tolist() == [c.output_ids for c in expected]
+    assert np.asarray(out.out_bn)[:, :MAX_NEW].tolist() == [c.output_ids for c in expected]
     hist = np.asarray(out.state.accepted_hist)
     assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both happened
 
@@ -140,12 +140,13 @@ def exact_joint(sampling: SamplingConfig) -> np.ndarray:
 
 
 def sampled_joint(sampling: SamplingConfig, drafter, k: int) -> np.ndarray:
+    tokens, lengths = pack_prompts([DIST_PROMPT], 1, TARGET_CFG.max_position_embeddings)
     out = spec.speculative_decode(
-        TARGET, drafter, Fixed(k), np.array([DIST_PROMPT], np.int32), np.array([2], np.int32), jax.random.key(0),
-        Sampling.of(sampling), cfg=TARGET_CFG, max_new_tokens=3, eos_ids=(), num_samples=SAMPLES,
+        TARGET, drafter, Fixed(k), tokens, lengths, np.full(SAMPLES, 3, np.int32), jax.random.key(0),
+        Sampling.of(sampling), cfg=TARGET_CFG, eos_ids=(), num_samples=SAMPLES, prefill_chunk=2,
     )  # fmt: skip
     V = TARGET_CFG.vocab_size
-    flat = np.asarray(out.out_bn) @ np.array([V * V, V, 1])
+    flat = np.asarray(out.out_bn)[:, :3] @ np.array([V * V, V, 1])
     return np.bincount(flat, minlength=V**3).reshape(V, V, V) / SAMPLES
 
 

@@ -69,7 +69,7 @@ def test_ngram_continuation_runs_periodically_into_the_tail():
 
 
 def test_ngram_rows_are_independent_and_probs_are_one_hot():
-    tokens, lengths = pack_prompts([[1, 2, 3, 1, 2], [5, 6, 5], [9]], 3)
+    tokens, lengths = pack_prompts([[1, 2, 3, 1, 2], [5, 6, 5], [9]], 3, 64)
     drafter = NgramDrafter(max_n=2)
     draft, probs, state = drafter.propose_chain(
         drafter.init(tokens, lengths, 64), jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
@@ -114,7 +114,7 @@ def test_layer_skip_drafts_like_the_truncated_target():
     prompts = [[5, 6, 7, 8], [42, 3]]
     small_cfg, small_weights = truncated(2)
     # The committed text is the prompt plus one token; the drafter continues it greedily.
-    tokens, lengths = pack_prompts(prompts, 2)
+    tokens, lengths = pack_prompts(prompts, 2, 64)
     expected = [
         c.output_ids for c in ar_generate(small_weights, small_cfg, prompts, max_new_tokens=5, eos_ids=()).completions
     ]

@@ -68,10 +68,10 @@ def ar_batch():
 
 
 def decode(d, prompts, cfg=CFG, weights=WEIGHTS, max_new=MAX_NEW, sampling=SamplingConfig(), seed=0):
-    tokens, lengths = pack_prompts(prompts, len(prompts))
+    tokens, lengths = pack_prompts(prompts, len(prompts), cfg.max_position_embeddings)
     return spec.speculative_decode(
-        weights, d, Fixed(K), jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), Sampling.of(sampling),
-        cfg=cfg, max_new_tokens=max_new, eos_ids=(),
+        weights, d, Fixed(K), jnp.asarray(tokens), jnp.asarray(lengths), np.full(len(prompts), max_new, np.int32),
+        jax.random.key(seed), Sampling.of(sampling), cfg=cfg, eos_ids=(), prefill_chunk=8,
     )  # fmt: skip
 
 

@@ -61,7 +61,8 @@ def exported_text(exported: export.Exported) -> str:
 
 def loop_inputs(sampling: SamplingConfig):
     tokens = jnp.zeros((BATCH, PROMPT), jnp.int32)
-    return tokens, jnp.array([3, 21], jnp.int32), jax.random.key(0), Sampling.of(sampling, BATCH)
+    limits = jnp.full((BATCH,), 8, jnp.int32)
+    return tokens, jnp.array([3, 21], jnp.int32), limits, jax.random.key(0), Sampling.of(sampling, BATCH)
 
 
 DRAFTERS = {
@@ -77,8 +78,8 @@ DRAFTERS = {
 def test_speculative_loop_exports_for_gpu_and_tpu(name, sampling):
     drafter, adaptive = DRAFTERS[name]
     exported = export.export(spec.speculative_decode, platforms=PLATFORMS)(
-        WEIGHTS, drafter, adaptive or Fixed(3), *loop_inputs(SAMPLING[sampling]), cfg=CFG, max_new_tokens=8,
-        eos_ids=(1,),
+        WEIGHTS, drafter, adaptive or Fixed(3), *loop_inputs(SAMPLING[sampling]), cfg=CFG, eos_ids=(1,),
+        prefill_chunk=16,
     )  # fmt: skip
     text = exported_text(exported)
     assert "stablehlo.while" in text  # the whole loop is in the artifact, not unrolled on the host
@@ -89,7 +90,7 @@ def test_speculative_loop_exports_for_gpu_and_tpu(name, sampling):
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 def test_autoregressive_loop_exports_for_gpu_and_tpu(sampling):
     exported = export.export(decode, platforms=PLATFORMS)(
-        WEIGHTS, *loop_inputs(SAMPLING[sampling]), cfg=CFG, max_new_tokens=8, eos_ids=(1,)
+        WEIGHTS, *loop_inputs(SAMPLING[sampling]), cfg=CFG, eos_ids=(1,), prefill_chunk=16
     )
     assert "stablehlo.while" in exported_text(exported)
 

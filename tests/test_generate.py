@@ -1,5 +1,7 @@
 """The autoregressive loop on a tiny random model: batching, stopping, compilation, and agreement with a plain loop."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,11 +100,33 @@ def test_bad_input():
         speculative.generate(WEIGHTS, CFG, [[-1]], drafter=NgramDrafter(2), num_draft_tokens=2, max_new_tokens=4)
 
 
-def test_pack_prompts_buckets_to_multiples_of_64():
-    tokens, lengths = batch.pack_prompts([[1] * 17, [2]], batch=3)
-    assert tokens.shape == (3, 64) and lengths.tolist() == [17, 1, 17]
-    assert batch.pack_prompts([[1] * 65], batch=1)[0].shape == (1, 128)
+def test_requests_share_one_width_a_power_of_two_of_prompt_and_new_tokens():
+    long = dataclasses.replace(CFG, max_position_embeddings=4096)
+    assert [batch.num_slots(long, n) for n in (1, 256, 257, 500, 4000)] == [256, 256, 512, 512, 4096]
+    assert batch.num_slots(CFG, 20) == 128  # within the model's length
+    tokens, lengths = batch.pack_prompts([[1] * 17, [2]], batch=3, width=128)
+    assert tokens.shape == (3, 128) and lengths.tolist() == [17, 1, 17]
     assert np.all(tokens[1, 1:] == 0)
+    req = batch.prepare_batch(CFG, PROMPTS[:2], [3, 9], (), 3, SamplingConfig(), num_samples=2)
+    assert req.tokens.shape == (3, 128) and req.max_new.tolist() == [3, 3, 9, 9, 3, 3]
+    with pytest.raises(InputError, match="2 max_new_tokens for 4 prompts"):
+        gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=[3, 4])
+
+
+def test_max_new_tokens_per_row_and_prefill_chunks_are_data_and_exact():
+    """Each row's own limit, and any prefill chunk, give what each request decoded alone gives; limits and prompt
+    lengths compile nothing new."""
+    limits = [3, 12, 1, 7]
+    before = batch.compilations().get("decode", 0)
+    mixed = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=limits, eos_ids=(), prefill_chunk=4)
+    for prompt, n, completion in zip(PROMPTS, limits, mixed.completions):
+        alone = gen.generate(WEIGHTS, CFG, [prompt], max_new_tokens=n, eos_ids=(), batch_size=4, prefill_chunk=4)
+        assert completion.output_ids == alone.completions[0].output_ids == naive_greedy(prompt, n)
+    assert batch.compilations()["decode"] - before <= 1
+    whole = gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=limits, eos_ids=(), prefill_chunk=128)
+    assert [c.output_ids for c in whole.completions] == [c.output_ids for c in mixed.completions]
+    with pytest.raises(InputError, match="prefill_chunk must be >= 1"):
+        gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=2, prefill_chunk=0)
 
 
 def test_samples_of_a_prompt_share_one_prefill(monkeypatch):

@@ -14,6 +14,7 @@ from specjax.cli import common as cli
 from specjax.cli import generate as generate_cli
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import decode
+from specjax.decoding.batch import num_slots
 from specjax.drafters import Eagle3Drafter
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
@@ -42,23 +43,25 @@ def measured_bytes(lowered, shared_bytes: int = 0) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - shared_bytes
 
 
-def inputs(batch: int, prompt_len: int):
-    tokens = jnp.zeros((batch, prompt_len), jnp.int32)
-    return tokens, jnp.full((batch,), prompt_len, jnp.int32), jax.random.key(0), Sampling.of(SamplingConfig(), batch)
+def inputs(cfg: ModelConfig, batch: int, prompt_len: int, max_new: int):
+    """The loops' arguments after the weights (and drafter), prompts packed as `prepare_batch` packs them."""
+    tokens = jnp.zeros((batch, num_slots(cfg, prompt_len + max_new)), jnp.int32)
+    lengths, limits = jnp.full((batch,), prompt_len, jnp.int32), jnp.full((batch,), max_new, jnp.int32)
+    return tokens, lengths, limits, jax.random.key(0), Sampling.of(SamplingConfig(), batch)
 
 
-@pytest.mark.parametrize("batch, prompt_len, slots", [(8, 100, 256), (2, 1000, 1152)])
+@pytest.mark.parametrize("batch, prompt_len, slots", [(8, 100, 256), (2, 1000, 2048)])
 def test_plan_of_autoregressive_decoding_matches_compiled_memory(batch, prompt_len, slots):
-    """A buffer of one attention block, and one of three (1152 slots), whose prefill scores its 1024 tokens over
-    themselves and then a block at a time: the plan counts no tokens x slots array, and neither does XLA."""
+    """A buffer of one attention block, and one of four (2048 slots), whose prefill scores each 64-token chunk over
+    itself and then a block at a time: the plan counts no tokens x slots array, and neither does XLA."""
     cfg = ModelConfig("llama", 2048, 256, 768, 6, 8, 2, 32, max_position_embeddings=2048)
     weights = jax.eval_shape(lambda: init_weights(cfg, jax.random.key(0)))
-    bucket, max_new = plan.prompt_bucket(prompt_len), 128
-    lowered = decode.lower(weights, *inputs(batch, bucket), cfg=cfg, max_new_tokens=max_new, eos_ids=(1,))
-    p = plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new)
+    max_new = 128
+    lowered = decode.lower(weights, *inputs(cfg, batch, prompt_len, max_new), cfg=cfg, eos_ids=(1,), prefill_chunk=64)
+    p = plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new, prefill_chunk=64)
     assert p.num_slots == slots and p.kv_cache == 2 * 6 * batch * slots * 2 * 32 * 4 and p.drafter == 0
     assert p.weights == sum(x.size * 4 for x in jax.tree.leaves(weights))
-    assert p.activations > p.kv_cache  # the prefill's scores: the plan is not weights + KV alone
+    assert p.activations > 0  # a prefill chunk's scores, keys and values: the plan is not weights + KV alone
     assert p.total == pytest.approx(measured_bytes(lowered), rel=0.10)
 
 
@@ -68,11 +71,12 @@ def test_plan_of_eagle3_chain_decoding_matches_compiled_memory():
     drafter = Eagle3Drafter.create(random_head(cfg), weights.embed)
     batch, prompt_len, max_new, k = 4, 64, 64, 4
     lowered = spec.speculative_decode.lower(
-        weights, drafter, Fixed(k), *inputs(batch, prompt_len), cfg=cfg, max_new_tokens=max_new, eos_ids=(1,),
+        weights, drafter, Fixed(k), *inputs(cfg, batch, prompt_len, max_new), cfg=cfg, eos_ids=(1,), prefill_chunk=64,
     )  # fmt: skip
     p = plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new,
-                         drafter=drafter, draft_shape=TreeSpec.chain(k), target_weights=weights)  # fmt: skip
-    assert p.num_slots == 64 + 64 + k + 1
+                         drafter=drafter, draft_shape=TreeSpec.chain(k), target_weights=weights,
+                         prefill_chunk=64)  # fmt: skip
+    assert p.num_slots == 256 + k + 1  # S: 64 + 64 up to the smallest width, and a round's draft
     head_cache = 2 * batch * p.num_slots * 1 * 2 * 32 * 4  # the head's one layer
     assert p.drafter > head_cache + sum(x.size * 4 for x in jax.tree.leaves(drafter.params))
     shared = 0 if drafter.target_embed is None else drafter.target_embed.size * 4

@@ -93,14 +93,17 @@ def test_cache_equals_fresh_prefill_and_traces_once(monkeypatch):
     spec.speculative_decode.clear_cache()
     sampling = Sampling.of(SamplingConfig(temperature=1.0, top_k=20), 4)
     drafter = DRAFTERS["other_model"]
-    tokens, lengths = pack_prompts(PROMPTS, 4)
-    static = dict(cfg=CFG, max_new_tokens=15, eos_ids=())
-    first = spec.speculative_decode(WEIGHTS, drafter, Fixed(3), tokens, lengths, jax.random.key(0), sampling, **static)
-    # Other prompts, and other sampling values in every row (mixed, one greedy): the same executable.
-    tokens2, lengths2 = pack_prompts(PROMPTS[::-1], 4)
+    tokens, lengths = pack_prompts(PROMPTS, 4, 128)
+    limits = np.full(4, 15, np.int32)
+    static = dict(cfg=CFG, eos_ids=(), prefill_chunk=8)
+    first = spec.speculative_decode(
+        WEIGHTS, drafter, Fixed(3), tokens, lengths, limits, jax.random.key(0), sampling, **static
+    )
+    # Other prompts and limits, and other sampling values in every row (mixed, one greedy): the same executable.
+    tokens2, lengths2 = pack_prompts(PROMPTS[::-1], 4, 128)
     mixed = [SamplingConfig(0.7, 5, 0.9), SamplingConfig(), SamplingConfig(1.5), SamplingConfig(1.0, top_p=0.5)]
     spec.speculative_decode(
-        WEIGHTS, drafter, Fixed(3), tokens2, lengths2, jax.random.key(1), Sampling.of(mixed, 4), **static
+        WEIGHTS, drafter, Fixed(3), tokens2, lengths2, limits - 2, jax.random.key(1), Sampling.of(mixed, 4), **static
     )
     assert len(traces) == 1
 
@@ -180,14 +183,14 @@ def exact_joint(sampling):
 
 def sampled_outputs(sampling, drafter, k=2, seed=0):
     """The first 3 tokens of SAMPLES rows as one index into [V, V, V]; `sampling` is one setting or one per row."""
-    tokens, lengths = np.array([TOY_PROMPT], np.int32), np.array([len(TOY_PROMPT)], np.int32)
+    tokens, lengths = pack_prompts([TOY_PROMPT], 1, TOY.max_position_embeddings)
     rows = Sampling.of(sampling, None if isinstance(sampling, SamplingConfig) else SAMPLES)
     out = spec.speculative_decode(
-        TOY_TARGET, drafter, Fixed(k), tokens, lengths, jax.random.key(seed), rows,
-        cfg=TOY, max_new_tokens=3, eos_ids=(), num_samples=SAMPLES,
+        TOY_TARGET, drafter, Fixed(k), tokens, lengths, np.full(SAMPLES, 3, np.int32), jax.random.key(seed), rows,
+        cfg=TOY, eos_ids=(), num_samples=SAMPLES, prefill_chunk=2,
     ).out_bn  # SAMPLES rows that share the prompt's prefill  # fmt: skip
     V = TOY.vocab_size
-    return np.asarray(out) @ np.array([V * V, V, 1])
+    return np.asarray(out)[:, :3] @ np.array([V * V, V, 1])
 
 
 def joint(flat):

@@ -24,7 +24,7 @@ from specjax.cli import common as cli
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import speculative
 from specjax.decoding.autoregressive import generate
-from specjax.decoding.batch import prompt_bucket
+from specjax.decoding.batch import compilation_summary, compilations, num_slots
 from specjax.decoding.stats import SpecStats, acceptance
 from specjax.drafters import Drafter, LayerSkipDrafter, drafter_from_spec
 from specjax.drafters.ngram import DEFAULT_NGRAM
@@ -45,7 +45,7 @@ from specjax.measure.timing import (
     round_breakdown,
     shape_timers,
 )
-from specjax.models.llama import weight_bytes
+from specjax.models.llama import chunk_size, weight_bytes
 
 
 @dataclasses.dataclass
@@ -115,11 +115,13 @@ class ModeRun:
 Runner = Callable[[Sequence[Sequence[int]], int, int], tuple[list[list[int]], float]]
 
 
-def specjax_ar(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int) -> Runner:
+def specjax_ar(
+    model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int, prefill_chunk: int | None
+) -> Runner:
     def run(group, max_new_tokens, seed):
         out = generate(
             model.weights, model.cfg, group, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-            eos_ids=eos, batch_size=batch_size,
+            eos_ids=eos, batch_size=batch_size, prefill_chunk=prefill_chunk,
         )  # fmt: skip
         return [c.output_ids for c in out.completions], out.seconds
 
@@ -176,12 +178,13 @@ class SpeculativeRunner:
     batch_size: int
     num_draft_tokens: int | Adaptive  # K of the loop (the round's draft is `drafter.draft_shape(K)`), or a menu
     draft_steps: int  # drafter steps per round: K, the fallback's K for lookup first, a tree's depth
+    prefill_chunk: int | None
 
     def __call__(self, group, max_new_tokens, seed):
         out = speculative.generate(
             self.model.weights, self.model.cfg, group, drafter=self.drafter, num_draft_tokens=self.num_draft_tokens,
             max_new_tokens=max_new_tokens, sampling=self.sampling, seed=seed, eos_ids=self.eos,
-            batch_size=self.batch_size,
+            batch_size=self.batch_size, prefill_chunk=self.prefill_chunk,
         )  # fmt: skip
         if isinstance(self.num_draft_tokens, Adaptive):
             self.num_draft_tokens = self.num_draft_tokens.learn(out.stats)
@@ -221,7 +224,9 @@ def specjax_speculative(mode: str) -> Callable[..., SpeculativeRunner]:
         cli.check_memory(options["plan_at"](drafter, verified), batch_size)
         if verified == "auto":
             verified = cli.adaptive_drafting(model, drafter, sampling, batch_size)
-        return SpeculativeRunner(model, drafter, sampling, eos, batch_size, verified, draft_steps=k)
+        return SpeculativeRunner(
+            model, drafter, sampling, eos, batch_size, verified, draft_steps=k, prefill_chunk=options["prefill_chunk"]
+        )
 
     return prepare
 
@@ -346,17 +351,26 @@ def context_cost_sweep(model: LoadedModel, batch: int) -> list[dict]:
     ]
 
 
-def prefill_seconds(model: LoadedModel, groups, max_new_tokens: int) -> list[float]:
-    """Each batch's prefill (its prompts padded to their bucket, as decoding pads them), timed alone; the buckets'
-    prefills take turns (`interleaved_medians`)."""
-    buckets = [prompt_bucket(max(map(len, group))) for group in groups]
-    sizes = sorted(set(buckets))
+def prefill_seconds(model: LoadedModel, groups, max_new_tokens: int, prefill_chunk: int | None) -> list[float]:
+    """Each batch's prefill (its prompts in rows of S slots, run by chunks up to the longest, as decoding runs them),
+    timed alone; the prefills of the distinct (S, chunks) take turns (`interleaved_medians`)."""
+    chunk = chunk_size(prefill_chunk)
+    longest = [max(map(len, group)) for group in groups]
+    shapes = [(num_slots(model.cfg, n + max_new_tokens), -(-n // chunk)) for n in longest]
+    sizes = sorted(set(shapes))
     batch = len(groups[0])
     timers = [
-        prefill_timer(model.weights, model.cfg, jnp.ones((batch, b), jnp.int32), b + max_new_tokens) for b in sizes
+        prefill_timer(
+            model.weights,
+            model.cfg,
+            jnp.ones((batch, slots), jnp.int32),
+            jnp.full((batch,), min(chunks * chunk, slots), jnp.int32),
+            chunk,
+        )  # fmt: skip
+        for slots, chunks in sizes
     ]
     prefill_at = dict(zip(sizes, interleaved_medians(timers, reps=5)))
-    return [prefill_at[b] for b in buckets]
+    return [prefill_at[shape] for shape in shapes]
 
 
 def add_breakdowns(
@@ -494,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not modes:
         raise InputError(f"--modes is empty; choose from {', '.join(MODES)}")
     drafting = {mode: parse_mode(mode) for mode in modes}
-    for name in ("--max-new-tokens", "--batch-size", "--num-prompts", "--repeats"):
+    for name in ("--max-new-tokens", "--batch-size", "--num-prompts", "--repeats", "--prefill-chunk"):
         cli.check_positive(name, getattr(args, name[2:].replace("-", "_")))
     given = cli.gather_prompts(args)
     prompt_set = "given" if given else args.prompt_set
@@ -518,17 +532,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     longest = max(len(p) for g in groups for p in g)
 
     def plan_at(drafter, num_draft_tokens):
-        return cli.memory_plan_at(model, drafter, num_draft_tokens, longest, args.max_new_tokens)
+        return cli.memory_plan_at(model, drafter, num_draft_tokens, longest, args.max_new_tokens, args.prefill_chunk)
 
     cli.check_memory(plan_at(None, 0), batch_size)  # the weights and the autoregressive loop, before any mode
     options = dict(
         num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, lookup_tokens=args.lookup_tokens,
         draft_layers=args.draft_layers, eagle3=args.eagle3, tree=args.tree, dflash=args.dflash,
-        plan_at=plan_at,
+        plan_at=plan_at, prefill_chunk=args.prefill_chunk,
     )  # fmt: skip
 
     def prepare(mode: str) -> Runner:
         base, variant = drafting[mode]
+        if base == "ar":
+            return specjax_ar(model, sampling, eos, batch_size, args.prefill_chunk)
         if base not in SPECULATIVE_MODES:
             return MODES[base](model, sampling, eos, batch_size)
         k = variant if isinstance(variant, int) else options["num_draft_tokens"]
@@ -544,7 +560,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     speculating = any(isinstance(r, SpeculativeRunner) for r in runners.values())
     if speculating:
         status("bench timing the prefills alone")
-    prefills = prefill_seconds(model, groups, args.max_new_tokens) if speculating else [0.0] * len(groups)
+    prefills = (
+        prefill_seconds(model, groups, args.max_new_tokens, args.prefill_chunk) if speculating else [0.0] * len(groups)
+    )
     add_breakdowns(runs, runners, batch_size, context, sum(prefills))
     for mode, runner in runners.items():
         if isinstance(runner, SpeculativeRunner) and isinstance(runner.num_draft_tokens, Adaptive):
@@ -568,7 +586,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "dtype": str(model.weights.embed.dtype), "quantize": args.quantize, "date": time.strftime("%Y-%m-%d"),
         "num_draft_tokens": args.num_draft_tokens, "ngram": args.ngram, "lookup_tokens": args.lookup_tokens,
         "draft_layers": args.draft_layers, "eagle3": args.eagle3, "tree": args.tree or DEFAULT_TREE,
-        "dflash": args.dflash,
+        "dflash": args.dflash, "prefill_chunk": chunk_size(args.prefill_chunk),
         "device": jax.devices()[0].device_kind, "machine": machine(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "weight_bytes": weights, "bandwidth_bytes_per_s": bandwidth,
         "bandwidth_source": bandwidth_source,
@@ -584,7 +602,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{r['target_steps']:.2f} |\n"
             for r in long_context
         )
-    report = {"config": config, "modes": rows, **({"forward_costs": sweep} if sweep else {})}
+    table += f"\n{compilation_summary()}\n"
+    report = {"config": config, "modes": rows, "compilations": compilations()}
+    report |= {"forward_costs": sweep} if sweep else {}
     report |= {"context_costs": long_context} if long_context else {}
     cli.write_results(json_path, json.dumps(report, indent=1))
     write_file(args.out_dir / "bench.md", table)

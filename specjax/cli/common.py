@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from specjax.config import INT32_END, SamplingConfig
 from specjax.errors import InputError, OutputError, SpecjaxError
 from specjax.host import device_memory, start_distributed, status, write_file
-from specjax.io.jsonl import read_prompts_file
+from specjax.io.jsonl import read_prompt_records
 from specjax.io.loading import load_model
 from specjax.io.tokenizer import Tokenizer
 from specjax.measure.calibration import CALIBRATION_DRAFT_TOKENS
@@ -67,9 +67,16 @@ def add_model_args(parser: argparse.ArgumentParser, batch_default: str = "all, a
         "ORG/NAME[@REVISION]",
     )
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    parser.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": ...} object per line')
+    parser.add_argument(
+        "--prompts-file", type=Path,
+        help='JSONL file, one {"prompt": ...} object per line, optionally with its own "max_new_tokens"',
+    )  # fmt: skip
     parser.add_argument("--raw", action="store_true", help="tokenize prompts as they are, without the chat template")
     parser.add_argument("--max-new-tokens", type=integer, default=128)
+    parser.add_argument(
+        "--prefill-chunk", type=integer, default=None, metavar="N",
+        help="prompt tokens per prefill forward (default: 64 on the CPU, 512 on GPU and TPU)",
+    )  # fmt: skip
     parser.add_argument(
         "--batch-size", type=integer, default=None, help=f"prompts per batch (default: {batch_default})"
     )
@@ -116,11 +123,17 @@ def load_target(args: argparse.Namespace):
     return load_model(args.model, dtype, "auto" if args.mesh == "auto" else parse_mesh(args.mesh), args.quantize)
 
 
-def gather_prompts(args: argparse.Namespace, default: Sequence[str] = ()) -> list[str]:
-    prompts = list(args.prompt)
+def gather_requests(args: argparse.Namespace, default: Sequence[str] = ()) -> list[tuple[str, int]]:
+    """Each prompt with its max_new_tokens: the prompts file's own where a line gives one, else --max-new-tokens."""
+    requests = [(p, args.max_new_tokens) for p in args.prompt]
     if args.prompts_file is not None:
-        prompts += read_prompts_file(args.prompts_file)
-    return prompts or list(default)
+        records = read_prompt_records(args.prompts_file)
+        requests += [(r.prompt, r.max_new_tokens or args.max_new_tokens) for r in records]
+    return requests or [(p, args.max_new_tokens) for p in default]
+
+
+def gather_prompts(args: argparse.Namespace, default: Sequence[str] = ()) -> list[str]:
+    return [p for p, _ in gather_requests(args, default)]
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], raw: bool) -> list[list[int]]:
@@ -239,7 +252,9 @@ def menu_costs(adaptive) -> str:
     return ", ".join(f"{k}: {c:.2f}" for k, c in zip(adaptive.menu, adaptive.cost.tolist()))
 
 
-def memory_plan_at(model, drafter, num_draft_tokens: int | str, prompt_len: int, max_new_tokens: int):
+def memory_plan_at(
+    model, drafter, num_draft_tokens: int | str, prompt_len: int, max_new_tokens: int, prefill_chunk: int | None
+):
     """The run's memory plan (`specjax.measure.memory`) as a function of its rows (and of a mesh's axis sizes, the
     model's own by default); `num_draft_tokens` 'auto' plans for the largest draft adaptive drafting compiles."""
     shape = None
@@ -252,7 +267,7 @@ def memory_plan_at(model, drafter, num_draft_tokens: int | str, prompt_len: int,
         return memory_plan(
             model.cfg, model.weights.embed.dtype, batch=rows, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
             drafter=drafter, draft_shape=shape, target_weights=model.weights, mesh=on_mesh,
-            quantize=quantization(model.weights),
+            quantize=quantization(model.weights), prefill_chunk=prefill_chunk,
         )  # fmt: skip
 
     return plan_at

@@ -12,11 +12,13 @@ from specjax.adaptive import Adaptive
 from specjax.cli import common as cli
 from specjax.decoding import speculative
 from specjax.decoding.autoregressive import generate
+from specjax.decoding.batch import compilation_summary, compilations
 from specjax.drafters import SPEC_HELP, drafter_from_spec
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.host import status
 from specjax.io.loading import load_model
+from specjax.models.llama import chunk_size
 from specjax.sharding import mesh_of
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
@@ -62,8 +64,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli.check_positive("--max-new-tokens", args.max_new_tokens)
     cli.check_positive("--batch-size", args.batch_size)
     cli.check_positive("--num-samples", args.num_samples)
+    cli.check_positive("--prefill-chunk", args.prefill_chunk)
     json_out = cli.check_output_file(args.json_out) if args.json_out else None
-    prompts = cli.gather_prompts(args, default=[DEFAULT_PROMPT])
+    requests = cli.gather_requests(args, default=[DEFAULT_PROMPT])
+    prompts, limits = [p for p, _ in requests], [n for _, n in requests]
     tree = TreeSpec.parse(args.tree) if args.tree is not None else None
     model = cli.load_target(args)
     tok = model.tokenizer
@@ -86,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "give --num-draft-tokens K"
         )
     speaks = jax.process_index() == 0  # on a multi-host run, process 0 prints and writes
-    plan_at = cli.memory_plan_at(model, drafter, verified, max(map(len, prompt_ids)), args.max_new_tokens)
+    plan_at = cli.memory_plan_at(model, drafter, verified, max(map(len, prompt_ids)), max(limits), args.prefill_chunk)
     if args.plan:  # at the batch asked for, even where these prompts would fill fewer rows
         print(plan_at(args.batch_size or batch_size).table(cli.device_memory()), end="")
         return
@@ -95,10 +99,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         verified = cli.adaptive_drafting(model, drafter, sampling, batch_size)
 
     results = []
-    for start, group in zip(range(0, len(prompts), per_call), cli.batches(prompt_ids, per_call)):
+    for start in range(0, len(prompts), per_call):
+        group = prompt_ids[start : start + per_call]
         kw = dict(
-            max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed + start, eos_ids=eos,
-            batch_size=per_call, num_samples=samples,
+            max_new_tokens=limits[start : start + per_call], sampling=sampling, seed=args.seed + start, eos_ids=eos,
+            batch_size=per_call, num_samples=samples, prefill_chunk=args.prefill_chunk,
         )  # fmt: skip
         if drafter is None:
             out = generate(model.weights, model.cfg, group, **kw)
@@ -128,8 +133,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 if sampling.greedy:
                     same = [c.output_ids for c in ar.completions] == [c.output_ids for c in out.completions]
                     spec_stats["identical_to_ar"] = same
-        if out.compile_seconds:
-            status(f"compiled in {out.compile_seconds:.1f} s")
         first = len(results)
         for i, c in enumerate(out.completions):
             n = len(c.output_ids)
@@ -163,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     )
     if isinstance(verified, Adaptive):
         status(f"adaptive drafting, cost of a round after the timed calls: {cli.menu_costs(verified)}")
+    status(compilation_summary())
     if json_out and speaks:
         config = {
             "model": args.model,
@@ -180,8 +184,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             "lookup_tokens": args.lookup_tokens,
             "tree": args.tree,
             "num_samples": args.num_samples,
+            "prefill_chunk": chunk_size(args.prefill_chunk),
         }
-        cli.write_results(json_out, json.dumps({"config": config, "results": results}, indent=1, ensure_ascii=False))
+        report = {"config": config, "compilations": compilations(), "results": results}
+        cli.write_results(json_out, json.dumps(report, indent=1, ensure_ascii=False))
         print(f"wrote {len(results)} results to {json_out}", file=sys.stderr)
 
 

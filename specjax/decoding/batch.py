@@ -1,11 +1,16 @@
 """A generation request, validated and packed into fixed shapes; its rows turned back into completions.
 
-Prompts are right-padded to a bucket of PROMPT_BUCKET tokens, so similar lengths share one compilation; every
-executable is compiled once per (static arguments, shapes, dtypes, shardings) and reused (`compiled`).
+A request's one varying static size is S = `num_slots`: the next power of two at or above its longest row's prompt
+plus new tokens (at least MIN_SLOTS, at most the model's maximum length). Prompts are right-padded to S tokens, the
+cache holds S slots per row (the speculative loop adds its deepest draft's capacity), the output buffer holds S, and
+each row's max_new_tokens is data, so requests of one S share one program whatever their prompt lengths and limits.
+Every executable is compiled once per (static arguments, shapes, dtypes, shardings) and reused (`compiled`), and
+each compilation is counted per loop (`compilations`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import numbers
@@ -24,7 +29,7 @@ from specjax.host import status
 from specjax.sampling import Sampling
 from specjax.sharding import mesh_of
 
-PROMPT_BUCKET = 64
+MIN_SLOTS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,18 +41,21 @@ class Completion:
     finish_reason: str  # "stop" (an EOS token) or "length" (max_new_tokens reached)
 
 
-def prompt_bucket(max_prompt_len: int) -> int:
-    """Prompts are right-padded to a multiple of 64, so similar lengths share one compilation."""
-    return -(-max_prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
+def num_slots(cfg: ModelConfig, context: int) -> int:
+    """S, the slots per row of a request whose longest row holds `context` tokens (prompt + new tokens): the next
+    power of two, at least MIN_SLOTS, at most the model's maximum length (which `prepare_batch` checks it holds)."""
+    return min(max(MIN_SLOTS, 1 << (context - 1).bit_length()), cfg.max_position_embeddings)
 
 
-def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pads prompts into int32 [batch, bucket]; rows past len(prompts) repeat the first prompt."""
+def pack_prompts(
+    prompts: Sequence[Sequence[int]], batch: int, width: int, pad_id: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads prompts into int32 [batch, width]; rows past len(prompts) repeat the first prompt."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise InputError("every prompt must contain at least one token")
     rows = list(prompts) + [prompts[0]] * (batch - len(prompts))
     lengths = np.array([len(p) for p in rows], np.int32)
-    tokens = np.full((batch, prompt_bucket(int(lengths.max()))), pad_id, np.int32)
+    tokens = np.full((batch, width), pad_id, np.int32)
     for i, p in enumerate(rows):
         tokens[i, : len(p)] = p
     return tokens, lengths
@@ -58,8 +66,9 @@ class Request:
     """A validated generation request, packed: U prompt rows, each decoded by num_samples adjacent rows (B = U *
     num_samples); rows past the real ones are padding."""
 
-    tokens: np.ndarray  # int32 [U, bucket] right-padded prompts
+    tokens: np.ndarray  # int32 [U, S] right-padded prompts, S = num_slots
     lengths: np.ndarray  # int32 [U]
+    max_new: np.ndarray  # int32 [B] each row's most new tokens
     eos: tuple[int, ...]
     sampling: Sampling  # [B]
     active: np.ndarray  # bool [B]: a real row, not padding
@@ -69,32 +78,36 @@ class Request:
 def prepare_batch(
     cfg: ModelConfig,
     prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     eos_ids: Sequence[int] | None,
     batch_size: int | None,
     sampling: SamplingConfig | Sequence[SamplingConfig],
     num_samples: int = 1,
 ) -> Request:
-    """Validates a generation request and packs its prompts and their rows' sampling values. Raises InputError."""
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    """Validates a generation request (one max_new_tokens for every prompt, or one per prompt) and packs its prompts,
+    their rows' limits and sampling values. Raises InputError."""
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, numbers.Integral) else list(max_new_tokens)
+    if len(limits) != len(prompts):
+        raise InputError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts; give one, or one per prompt")
+    if min(limits, default=1) < 1:
+        raise InputError(f"max_new_tokens must be >= 1, got {min(limits)}")
     if num_samples < 1:
         raise InputError(f"num_samples must be >= 1, got {num_samples}")
     batch = batch_size or len(prompts)
     if batch < len(prompts):
         raise InputError(f"{len(prompts)} prompts do not fit in a batch of {batch}")
     eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
-    tokens, lengths = pack_prompts(prompts, batch)
+    context, longest = max(((len(p) + n, len(p)) for p, n in zip(prompts, limits)), default=(1, 0))
+    if context > cfg.max_position_embeddings:
+        raise InputError(
+            f"a prompt of {longest} tokens plus {context - longest} new tokens exceeds the model's maximum length "
+            f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens"
+        )
+    tokens, lengths = pack_prompts(prompts, batch, num_slots(cfg, context))
     ids = np.concatenate([np.asarray(p, np.int64) for p in prompts])
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         bad = int(ids[(ids < 0) | (ids >= cfg.vocab_size)][0])
         raise InputError(f"token id {bad} is outside the model's vocabulary 0..{cfg.vocab_size - 1}")
-    longest = int(lengths.max())
-    if longest + max_new_tokens > cfg.max_position_embeddings:
-        raise InputError(
-            f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model's maximum length "
-            f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens"
-        )
     if not isinstance(sampling, SamplingConfig):
         if len(sampling) != len(prompts):
             raise InputError(
@@ -102,8 +115,9 @@ def prepare_batch(
             )
         sampling = [s for s in sampling for _ in range(num_samples)]
     rows = batch * num_samples
+    max_new = np.repeat(np.array(limits + limits[:1] * (batch - len(prompts)), np.int32), num_samples)
     return Request(
-        tokens, lengths, eos, Sampling.of(sampling, rows), np.arange(rows) < len(prompts) * num_samples,
+        tokens, lengths, max_new, eos, Sampling.of(sampling, rows), np.arange(rows) < len(prompts) * num_samples,
         [p for p in prompts for _ in range(num_samples)],
     )  # fmt: skip
 
@@ -158,6 +172,22 @@ def to_host(tree):
 
 
 _EXECUTABLES: dict = {}
+_COMPILATIONS: collections.Counter = collections.Counter()  # programs compiled, per function name
+_COMPILE_SECONDS: collections.Counter = collections.Counter()  # and the seconds they took
+
+
+def compilations() -> dict[str, int]:
+    """Programs `compiled` has compiled in this process so far, per function name."""
+    return dict(_COMPILATIONS)
+
+
+def compilation_summary() -> str:
+    """One line: how many programs were compiled, of which functions, in how long."""
+    total = sum(_COMPILATIONS.values())
+    each = ", ".join(f"{name} x{n}" for name, n in _COMPILATIONS.items())
+    return f"compiled {total} program{'s' * (total != 1)}" + (
+        f" ({each}) in {sum(_COMPILE_SECONDS.values()):.1f} s" if each else ""
+    )
 
 
 def compiled(fn, args, static: dict):
@@ -174,9 +204,12 @@ def compiled(fn, args, static: dict):
     key = (fn, treedef, signature, tuple(sorted(static.items())))
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], 0.0
-    status(f"compiling {fn.__name__} (once per batch, prompt length bucket and max new tokens)")
+    status(f"compiling {fn.__name__} (once per batch size, number of slots and loop options)")
     t0 = time.perf_counter()
     mesh = mesh_of(args)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         _EXECUTABLES[key] = fn.lower(*args, **static).compile()
-    return _EXECUTABLES[key], time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    _COMPILATIONS[fn.__name__] += 1
+    _COMPILE_SECONDS[fn.__name__] += seconds
+    return _EXECUTABLES[key], seconds

@@ -1,8 +1,9 @@
 """Exact speculative decoding: every round drafts, verifies, accepts, writes and commits, inside one jit.
 
-The loop is one `lax.while_loop` over a pytree state (`SpecState`); it compiles once per (batch, prompt bucket,
-max_new_tokens, drafter options, policy menu, greedy or sampled) and makes no host round trip per round. Rows accept
-independently; a row stops at EOS or max_new_tokens while the others go on.
+The loop is one `lax.while_loop` over a pytree state (`SpecState`); it compiles once per (batch, number of slots S,
+prefill chunk, drafter options, policy menu, greedy or sampled), each row's max_new_tokens being data, and makes no
+host round trip per round. Rows accept independently; a row stops at EOS or its max_new_tokens while the others go
+on.
 
 Per row, `tokens_bs` holds the prompt and the generated tokens, `length_b` of them committed. The last committed
 token is pending: the target has not run on it, so the target cache holds `length_b - 1` tokens. A round:
@@ -41,7 +42,6 @@ from specjax.decoding.batch import (
     on_mesh,
     prepare_batch,
     prng_key,
-    prompt_bucket,
     to_host,
 )
 from specjax.decoding.stats import SpecResult, SpecStats
@@ -49,9 +49,9 @@ from specjax.drafters.base import Drafter, pending_tokens
 from specjax.drafters.tree import MAX_DRAFT_TOKENS, DraftTree, TreeSpec, path_to
 from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import Weights, forward_new_kv
+from specjax.models.llama import Weights, chunk_size, forward_new_kv
 from specjax.sampling import Sampling, sample
-from specjax.sharding import set_rows
+from specjax.sharding import get_rows, set_rows
 
 
 @jax.tree_util.register_dataclass
@@ -60,7 +60,7 @@ class SpecState:
     tokens_bs: jax.Array  # [B, S] prompt then generated tokens; slots >= length_b are stale
     length_b: jax.Array  # [B] committed tokens (prompt + generated); the last one is pending
     num_new_b: jax.Array  # [B] generated tokens
-    done_b: jax.Array  # [B] the row produced EOS or reached max_new_tokens
+    done_b: jax.Array  # [B] the row produced EOS or reached its max_new_tokens
     cache: KVCache | None  # the target's; lengths == length_b - 1 (None inside a round, which only reads it)
     draft_state: Any  # the drafter's pytree
     policy_state: Any  # the policy's pytree
@@ -73,7 +73,7 @@ class SpecState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecOutput:
-    out_bn: jax.Array  # [B, max_new] generated tokens (pad after num_new_b)
+    out_bn: jax.Array  # [B, S] generated tokens (pad after num_new_b)
     state: SpecState  # the final state: counts, the policy's state, the target cache and token buffer
 
 
@@ -96,39 +96,67 @@ class Loop:
     sampling: Sampling
     cfg: ModelConfig
     shapes: tuple[TreeSpec, ...]  # each menu entry's draft
-    max_new_tokens: int
+    max_new_b: jax.Array  # [B] each row's most new tokens
     eos_ids: tuple[int, ...]
+    prefill_chunk: int
 
     @property
     def depth(self) -> int:
         """D: the deepest draft of the menu."""
         return max(shape.depth for shape in self.shapes)
 
+    @property
+    def capacity(self) -> int:
+        """Slots past S the target cache holds for the menu's largest draft."""
+        return max(shape.capacity for shape in self.shapes)
+
 
 def start(loop: Loop, tokens_up, lengths_u, key, active_b, num_samples: int) -> tuple[SpecState, jax.Array]:
-    """The state after the prefill and its first sampled token; and the rows' prompt lengths."""
+    """The state after the prefill and its first sampled token; and the rows' prompt lengths.
+
+    The drafter commits the prompt chunk by chunk, as the prefill makes the target's taps (`commit` is per position,
+    as the loop's own commits of each round's path are), rather than once from a [B, S, F] buffer of them, which at
+    long contexts would rival the cache. Each row's last prompt position waits, its taps kept, for the token after
+    it: the first sampled one."""
     U, P = tokens_up.shape
     B = U * num_samples
-    taps = loop.drafter.traits.tap_layers
-    num_slots = P + loop.max_new_tokens + max(shape.capacity for shape in loop.shapes)
+    drafter, taps = loop.drafter, loop.drafter.traits.tap_layers
+    num_slots = P + loop.capacity
     pad = loop.eos_ids[0] if loop.eos_ids else 0
-    # The barrier keeps XLA from constant-folding attention over the empty (all-zero) cache.
+    tokens_bp, lengths_b = (jnp.repeat(x, num_samples, axis=0) for x in (tokens_up, lengths_u))
+    # The barriers keep XLA from constant-folding work over the empty (all-zero) caches.
+    draft_state = jax.lax.optimization_barrier(drafter.init(tokens_bp, lengths_b, num_slots))
     cache = jax.lax.optimization_barrier(KVCache.empty(loop.cfg, U, num_slots, loop.weights.embed.dtype))
-    logits_bv, taps_bpf, cache = prefill(loop.weights, loop.cfg, tokens_up, lengths_u, cache, num_samples,
-                                         tap_layers=taps)  # fmt: skip
-    tokens_bp, lengths_b = jnp.repeat(tokens_up, num_samples, axis=0), cache.lengths
+
+    def commit_chunk(seen, start, taps_ucf):
+        """Commits the chunk's positions but each row's last prompt one, whose taps it keeps."""
+        draft_state, last_bf = seen
+        C = chunk_size(loop.prefill_chunk, P)
+        taps_bcf = None if taps_ucf is None else jnp.repeat(taps_ucf, num_samples, axis=0)
+        next_bc = jnp.take(tokens_bp, start + 1 + jnp.arange(C), axis=1, mode="clip")
+        at_b = lengths_b - 1 - start  # the last prompt position, in the chunk
+        if taps_bcf is not None:
+            here = ((at_b >= 0) & (at_b < C))[:, None]
+            last_bf = jnp.where(here, get_rows(taps_bcf, jnp.clip(at_b, 0, C - 1)), last_bf)
+        return drafter.commit(draft_state, next_bc, taps_bcf, jnp.clip(at_b, 0, C)), last_bf
+
+    last0 = jnp.zeros((B, len(taps) * loop.cfg.hidden_size), loop.weights.embed.dtype) if taps else None
+    logits_bv, (draft_state, last_bf), cache = prefill(
+        loop.weights, loop.cfg, tokens_up, lengths_u, cache, num_samples, loop.prefill_chunk, taps, commit_chunk,
+        (draft_state, last0),
+    )  # fmt: skip
     key, sub = jax.random.split(key)
     first = sample(sub, logits_bv, loop.sampling)
     tokens_bs = jnp.full((B, num_slots), pad, jnp.int32).at[:, :P].set(tokens_bp)
     tokens_bs = set_rows(tokens_bs, lengths_b, first)
-    draft_state = jax.lax.optimization_barrier(loop.drafter.init(tokens_bp, lengths_b, num_slots))
-    draft_state = loop.drafter.commit(draft_state, tokens_bs[:, 1 : P + 1], taps_bpf, lengths_b)
+    last_b1f = None if last_bf is None else last_bf[:, None]
+    draft_state = drafter.commit(draft_state, first[:, None], last_b1f, jnp.ones((B,), jnp.int32))
     depths = [shape.depth for shape in loop.shapes]
     state = SpecState(
         tokens_bs=tokens_bs,
         length_b=lengths_b + 1,
         num_new_b=jnp.ones((B,), jnp.int32),
-        done_b=is_eos(first, loop.eos_ids) | (loop.max_new_tokens == 1) | (False if active_b is None else ~active_b),
+        done_b=is_eos(first, loop.eos_ids) | (loop.max_new_b <= 1) | (False if active_b is None else ~active_b),
         cache=cache,
         draft_state=draft_state,
         policy_state=loop.policy.start(depths, B, loop.drafter.traits.regimes),
@@ -174,10 +202,10 @@ def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Arra
         path_taps = None if taps_btf is None else jnp.take_along_axis(taps_btf, path[..., None], axis=1)
         k_new, v_new = (jnp.take_along_axis(x, path[None, :, :, None, None], axis=2) for x in (k_new, v_new))
 
-    # Emitted: the accepted drafts, then nxt; cut at the first EOS and at max_new_tokens.
+    # Emitted: the accepted drafts, then nxt; cut at the first EOS and at the row's max_new_tokens.
     emitted = jnp.where(j < n[:, None], jnp.roll(path_tokens, -1, axis=1), nxt[:, None])
     eos_at = jnp.where(is_eos(emitted, loop.eos_ids) & (j <= n[:, None]), j, shape.depth + 1).min(axis=1)
-    count = jnp.minimum(jnp.minimum(n + 1, eos_at + 1), loop.max_new_tokens - s.num_new_b)
+    count = jnp.minimum(jnp.minimum(n + 1, eos_at + 1), loop.max_new_b - s.num_new_b)
     count = jnp.where(s.done_b, 0, count)
     slots = jnp.where(j < count[:, None], s.length_b[:, None] + j, s.tokens_bs.shape[1])
     num_new = s.num_new_b + count
@@ -187,7 +215,7 @@ def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Arra
         tokens_bs=set_rows(s.tokens_bs, slots, emitted),
         length_b=s.length_b + count,
         num_new_b=num_new,
-        done_b=s.done_b | (eos_at < count) | (num_new >= loop.max_new_tokens),
+        done_b=s.done_b | (eos_at < count) | (num_new >= loop.max_new_b),
         cache=None,
         draft_state=draft_state,
         policy_state=loop.policy.observe(s.policy_state, entry, shape.depth, regime_b, n, count, running),
@@ -213,28 +241,29 @@ def write_back(loop: Loop, before: SpecState, after: SpecState, path: Path) -> S
 
 
 def finish(loop: Loop, s: SpecState, prompt_lengths_b: jax.Array) -> SpecOutput:
-    """The generated tokens of each row, padded after its count."""
-    positions = jnp.arange(loop.max_new_tokens)[None, :]
+    """The generated tokens of each row [B, S] (S the prompts' width), padded after its count."""
+    positions = jnp.arange(s.tokens_bs.shape[1] - loop.capacity)[None, :]
     out = jnp.take_along_axis(s.tokens_bs, prompt_lengths_b[:, None] + positions, axis=1)
     out = jnp.where(positions < s.num_new_b[:, None], out, loop.eos_ids[0] if loop.eos_ids else 0)
     return SpecOutput(out, s)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_ids", "num_samples"))
+@functools.partial(jax.jit, static_argnames=("cfg", "eos_ids", "num_samples", "prefill_chunk"))
 def speculative_decode(
     weights: Weights,
     drafter: Drafter,
     policy: Policy,
     tokens_up: jax.Array,
     lengths_u: jax.Array,
+    max_new_b: jax.Array,
     key: jax.Array,
     sampling: Sampling,
     active_b: jax.Array | None = None,
     *,
     cfg: ModelConfig,
-    max_new_tokens: int,
     eos_ids: tuple[int, ...],
     num_samples: int = 1,
+    prefill_chunk: int,
 ) -> SpecOutput:
     """Speculative decoding of a padded batch, entirely on device: B = U * num_samples rows.
 
@@ -242,27 +271,29 @@ def speculative_decode(
       weights: the target weights.
       drafter: any `Drafter` (a pytree).
       policy: `Fixed(K)` or an `Adaptive` menu (pytrees; their menus are static).
-      tokens_up: int32 [U, P] right-padded prompts.
+      tokens_up: int32 [U, S] prompts right-padded to S = `num_slots(...)`: the target cache holds S slots per row
+        plus the menu's deepest draft capacity.
       lengths_u: int32 [U] prompt lengths.
+      max_new_b: int32 [B] the most tokens each row generates, at most S - its prompt length (data).
       key: PRNG key (unused when greedy).
       sampling: the rows' sampling values, applied to target and draft alike (data; only `sampling.greedy` is
         static).
       active_b: optional bool [B]; rows that are False (batch padding) start finished: they generate one token,
         never run a round and do not count in the statistics.
       cfg: static target config.
-      max_new_tokens: static; at most this many tokens per row.
       eos_ids: static; a row stops after producing one of these.
       num_samples: static; rows per prompt (adjacent), sharing the prompt's target prefill.
+      prefill_chunk: static; prompt tokens per prefill forward.
     """
     shapes = tuple(menu_shapes(drafter, policy.menu))
-    loop = Loop(weights, drafter, policy, sampling, cfg, shapes, max_new_tokens, eos_ids)
+    loop = Loop(weights, drafter, policy, sampling, cfg, shapes, max_new_b, eos_ids, prefill_chunk)
     state, prompt_lengths_b = start(loop, tokens_up, lengths_u, key, active_b, num_samples)
     rounds = [functools.partial(draft_verify_accept, loop, entry) for entry in range(len(shapes))]
     depths = [shape.depth for shape in shapes]
 
     def step(s: SpecState) -> SpecState:
         regime_b = drafter.regime(s.draft_state, s.tokens_bs, s.length_b)
-        remaining_b = jnp.where(s.done_b, 0, max_new_tokens - s.num_new_b)
+        remaining_b = jnp.where(s.done_b, 0, max_new_b - s.num_new_b)
         entry = policy.choose(s.policy_state, depths, regime_b, remaining_b)
         after, path = jax.lax.switch(entry, rounds, s, regime_b)
         return write_back(loop, s, after, path)
@@ -305,6 +336,12 @@ def check_inputs(cfg: ModelConfig, drafter: Drafter, policy: Policy) -> None:
         drafter.validate(cfg, k)
 
 
+def prefilled_tokens(prompts: Sequence[Sequence[int]], prefill_chunk: int | None) -> int:
+    """Tokens the prefill runs per row: the longest prompt, in whole chunks."""
+    chunk = chunk_size(prefill_chunk)
+    return -(-max(map(len, prompts)) // chunk) * chunk
+
+
 def as_plain_rounds(plain: GenerateResult, menu: Sequence[int], depth: int, prompt_tokens: int) -> SpecResult:
     """Plain decoding's result as a speculative one whose every round was the menu's plain step."""
     steps = [len(c.output_ids) - 1 for c in plain.completions]  # the first token comes with the prefill
@@ -323,12 +360,13 @@ def generate(
     *,
     drafter: Drafter,
     num_draft_tokens: int | Policy,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     seed: int = 0,
     sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
     eos_ids: Sequence[int] | None = None,
     batch_size: int | None = None,
     num_samples: int = 1,
+    prefill_chunk: int | None = None,
 ) -> SpecResult:
     """Generates a continuation of each prompt (one batch) with speculative decoding.
 
@@ -344,12 +382,13 @@ def generate(
         `draft_shape(K)` is each round's draft, a chain of K or a tree drafter's own tree. Or an `Adaptive` menu
         (`specjax.measure.calibration.calibrated`): every round picks its draft size from it; where it would pick the
         plain step in every round (`never_drafts`), this is plain decoding.
-      max_new_tokens: the most tokens generated per prompt.
+      max_new_tokens: the most tokens generated per prompt: one for every prompt, or one per prompt.
       seed: PRNG seed.
       sampling: one setting for every prompt, or one per prompt; greedy by default.
       eos_ids: tokens that end a row; defaults to the config's EOS ids.
       batch_size: compiled prompts per call (>= len(prompts)); extra prompts are padding. Defaults to len(prompts).
       num_samples: rows per prompt, which share the prompt's target prefill.
+      prefill_chunk: prompt tokens per prefill forward; defaults to the platform's (`chunk_size`).
     Returns:
       A SpecResult with num_samples Completions per prompt (adjacent), in prompt order, and the acceptance
       statistics.
@@ -360,13 +399,13 @@ def generate(
     if policy.never_drafts(depths):
         plain = plain_generate(
             weights, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
-            batch_size=batch_size, num_samples=num_samples,
+            batch_size=batch_size, num_samples=num_samples, prefill_chunk=prefill_chunk,
         )  # fmt: skip
-        return as_plain_rounds(plain, policy.menu, max(depths), prompt_bucket(max(map(len, prompts))))
+        return as_plain_rounds(plain, policy.menu, max(depths), prefilled_tokens(prompts, prefill_chunk))
     req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
-    args = (weights, drafter, policy, jnp.asarray(req.tokens), jnp.asarray(req.lengths), prng_key(seed),
-            req.sampling, jnp.asarray(req.active))  # fmt: skip
-    static = dict(cfg=cfg, max_new_tokens=max_new_tokens, eos_ids=req.eos, num_samples=num_samples)
+    args = (weights, drafter, policy, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jnp.asarray(req.max_new),
+            prng_key(seed), req.sampling, jnp.asarray(req.active))  # fmt: skip
+    static = dict(cfg=cfg, eos_ids=req.eos, num_samples=num_samples, prefill_chunk=chunk_size(prefill_chunk))
     args = on_mesh(args)
     executable, compile_seconds = compiled(speculative_decode, args, static)
     t0 = time.perf_counter()
@@ -383,6 +422,6 @@ def generate(
         rounds_by_drafts={k: int(r) for k, r in zip(policy.menu, by_entry)},
         acceptance_evidence=policy.evidence(s.policy_state),
         plain_steps=max((len(c.output_ids) for c in results), default=1) - 1,
-        prompt_tokens=req.tokens.shape[1],
+        prompt_tokens=prefilled_tokens(prompts, prefill_chunk),
     )
     return SpecResult(results, seconds, compile_seconds, stats)

@@ -35,7 +35,7 @@ class SpecStats:
     # Adaptive drafting: (accepted drafts, tried depths) per kind of round, what `Adaptive.learn` pools into the prior.
     acceptance_evidence: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     plain_steps: int = 0  # steps plain decoding takes for these outputs: the longest, less the prefill's token
-    prompt_tokens: int = 0  # the prompt bucket the prefill ran over (what `Adaptive.learn` takes out of the time)
+    prompt_tokens: int = 0  # tokens the prefill ran per row (what `Adaptive.learn` takes out of the time)
     seconds: float = 0.0  # wall time of the call's decoding, its prefill included
 
     @classmethod

@@ -17,7 +17,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.base import ChainDrafter, Traits, draw, static_field
 from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import Weights, forward
+from specjax.models.llama import Weights, chunk_size, chunked_prefill, forward
 from specjax.sampling import Sampling
 
 
@@ -63,12 +63,10 @@ def _draft_chain(
     return tokens_bk, probs_bkv, cache
 
 
-def _prefill(weights: Weights, cfg: ModelConfig, tokens_bp: jax.Array, num_slots: int) -> KVCache:
-    B, P = tokens_bp.shape
-    cache = KVCache.empty(cfg, B, num_slots, weights.embed.dtype)
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    _, _, cache = forward(weights, cfg, tokens_bp, positions, cache, logits_at=jnp.zeros((B, 1), jnp.int32))
-    return cache
+def _prefill(weights: Weights, cfg: ModelConfig, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int):
+    """The draft model's cache of the prompts, prefilled by the platform's chunks as the target's is."""
+    cache = KVCache.empty(cfg, tokens_bp.shape[0], num_slots, weights.embed.dtype)
+    return chunked_prefill(weights, cfg, tokens_bp, lengths_b, cache, chunk_size(None))[2]
 
 
 @jax.tree_util.register_dataclass
@@ -91,7 +89,7 @@ class ModelDrafter(ChainDrafter):
             )
 
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> ModelDraftState:
-        return ModelDraftState(_prefill(self.weights, self.cfg, tokens_bp, num_slots))
+        return ModelDraftState(_prefill(self.weights, self.cfg, tokens_bp, lengths_b, num_slots))
 
     def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `Drafter.propose`."""
@@ -138,7 +136,7 @@ class LayerSkipDrafter(ChainDrafter):
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> ModelDraftState:
         n = self.num_layers
         weights = dataclasses.replace(self.weights, layers=jax.tree.map(lambda a: a[:n], self.weights.layers))
-        return ModelDraftState(_prefill(weights, self.draft_cfg, tokens_bp, num_slots), weights)
+        return ModelDraftState(_prefill(weights, self.draft_cfg, tokens_bp, lengths_b, num_slots), weights)
 
     def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `Drafter.propose`."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 from specjax.errors import InputError
 
@@ -29,11 +30,25 @@ def read_jsonl(path: Path) -> list[tuple[int, object]]:
     return records
 
 
-def read_prompts_file(path: Path) -> list[str]:
-    """Prompts from a JSONL file: one object per line with a "prompt" string; other fields are ignored."""
-    prompts = []
+class PromptRecord(NamedTuple):
+    prompt: str
+    max_new_tokens: int | None  # the line's own limit, None where it gives none
+
+
+def read_prompt_records(path: Path) -> list[PromptRecord]:
+    """Prompts from a JSONL file: one object per line with a "prompt" string and, optionally, a positive integer
+    "max_new_tokens"; other fields are ignored."""
+    records = []
     for number, record in read_jsonl(path):
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise InputError(f'{path}:{number}: expected an object with a "prompt" string')
-        prompts.append(record["prompt"])
-    return prompts
+        limit = record.get("max_new_tokens")
+        if limit is not None and (type(limit) is not int or not 1 <= limit < 2**31):
+            raise InputError(f'{path}:{number}: "max_new_tokens" must be a positive integer below 2**31, got {limit!r}')
+        records.append(PromptRecord(record["prompt"], limit))
+    return records
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    """The prompts of `read_prompt_records`."""
+    return [r.prompt for r in read_prompt_records(path)]

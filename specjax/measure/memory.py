@@ -2,10 +2,11 @@
 
 The loops of `specjax.decoding.autoregressive` and `specjax.decoding.speculative` hold four things at their peak:
 - the target's weights;
-- the KV buffers: batch x slots x layers x KV heads x head dim x 2 (K and V), where slots = the padded prompt +
-  max_new_tokens (+ the largest round's draft capacity in the speculative loop), as the loops size them;
+- the KV buffers: batch x slots x layers x KV heads x head dim x 2 (K and V), where slots = S (`num_slots`: prompt +
+  max_new_tokens up to a power of two) (+ the largest round's draft capacity in the speculative loop), as the loops
+  size them;
 - the drafter's own weights and its state (exact: the shapes `drafter.init` returns, traced without running);
-- the activations of the largest forward, the prefill of the padded prompt or one verification: float32 attention
+- the activations of the largest forward, one prefill chunk or one verification: float32 attention
   scores and probabilities of the new tokens over themselves or over one block of cache slots (`attend` reads the
   cache by blocks: never tokens x slots), the new keys and values of all layers before they enter the cache, one
   layer's weights (the layer scan slices them), the residual stream, and float32 logits where they are computed.
@@ -26,13 +27,13 @@ import jax.numpy as jnp
 from jax.extend import core as jax_core
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding.batch import prompt_bucket
+from specjax.decoding.batch import num_slots
 from specjax.drafters.base import Drafter
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.host import GIB
 from specjax.models.attention import KV_BLOCK
-from specjax.models.llama import Weights, weight_bytes
+from specjax.models.llama import Weights, chunk_size, weight_bytes
 from specjax.sampling import Sampling
 from specjax.sharding import CACHE_AXES, larger_meshes, shard_fraction
 
@@ -123,6 +124,7 @@ def memory_plan(
     target_weights: Weights | None = None,
     mesh: Mapping[str, int] | None = None,
     quantize: str = "none",
+    prefill_chunk: int | None = None,
 ) -> MemoryPlan:
     """The memory plan of a decoding run, on each device of its mesh.
 
@@ -130,7 +132,7 @@ def memory_plan(
       cfg: the target config.
       dtype: the target's weight (and KV) dtype.
       batch: rows decoded together (prompts x samples).
-      prompt_len: the longest prompt, in tokens (padded to the loops' bucket here).
+      prompt_len: the longest prompt, in tokens (padded to the loops' width S here).
       max_new_tokens: tokens generated per row.
       drafter: the speculative loop's drafter; None for autoregressive decoding.
       draft_shape: the largest round's draft (`drafter.draft_shape(K)`, or of the largest adaptive entry).
@@ -141,17 +143,18 @@ def memory_plan(
         they are placed (a head split by its own logical axes), its state and work whole on every device.
       quantize: the target's quantization ("none", "int8"): int8 weights count their values and scales (the
         activations still count one layer's weights in `dtype`, for the operands its matmuls convert from int8).
+      prefill_chunk: prompt tokens per prefill forward (`chunk_size`); None: the platform's.
     Returns:
       A MemoryPlan.
     """
-    P = prompt_bucket(prompt_len)
+    P = num_slots(cfg, prompt_len + max_new_tokens)
     capacity = draft_shape.capacity if drafter is not None else 0
-    slots = P + max_new_tokens + capacity
+    slots = P + capacity
     size = jnp.dtype(dtype).itemsize
     cache_shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
     kv = 2 * math.prod(cache_shape) * size
     taps = len(drafter.traits.tap_layers) if drafter is not None else 0
-    activations = forward_activations(cfg, dtype, batch, P, slots, 1, taps, mesh)
+    activations = forward_activations(cfg, dtype, batch, chunk_size(prefill_chunk, P), slots, 1, taps, mesh)
     drafter_bytes = 0
     if drafter is not None:
         verified = draft_shape.budget

@@ -117,16 +117,15 @@ def shape_timers(
 
 
 def prefill_timer(
-    weights: Weights, cfg: ModelConfig, tokens: jax.Array, slots: int, lengths: jax.Array | None = None
+    weights: Weights, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array, chunk: int
 ) -> Callable[[], Any]:
-    """A call that prefills `tokens` [batch, bucket] (`lengths` valid per row, by default all) into an empty cache
-    of `slots`, as a decode starts."""
-    lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if lengths is None else lengths
+    """A call that prefills `tokens` [batch, S] (`lengths` valid per row) by chunks into an empty cache of S slots,
+    as a decode starts."""
 
     @jax.jit
     def start(weights, tokens, lengths):
-        cache = jax.lax.optimization_barrier(KVCache.empty(cfg, tokens.shape[0], slots, weights.embed.dtype))
-        return prefill(weights, cfg, tokens, lengths, cache)
+        cache = jax.lax.optimization_barrier(KVCache.empty(cfg, *tokens.shape, weights.embed.dtype))
+        return prefill(weights, cfg, tokens, lengths, cache, 1, chunk)
 
     return lambda: start(weights, tokens, lengths)
 

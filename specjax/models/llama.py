@@ -548,6 +548,62 @@ def forward(
     return logits, taps, cache.write(k_new, v_new)
 
 
+def chunk_size(prefill_chunk: int | None, width: int | None = None) -> int:
+    """Prompt tokens per prefill forward: the number asked for, else the platform's (64 on the CPU, where small
+    chunks cost little; 512 on accelerators, whose matrix units a chunk fills); at most `width`, the prompts'.
+    Raises InputError below 1."""
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    chunk = prefill_chunk or (64 if jax.default_backend() == "cpu" else 512)
+    return min(chunk, width or chunk)
+
+
+def chunked_prefill(
+    weights: Weights,
+    cfg: ModelConfig,
+    tokens_bw: jax.Array,
+    lengths_b: jax.Array,
+    cache: KVCache,
+    chunk: int,
+    tap_layers: tuple[int, ...] = (),
+    see_chunk: Callable[[Any, jax.Array, jax.Array | None], Any] | None = None,
+    seen: Any = None,
+) -> tuple[jax.Array, Any, KVCache]:
+    """Runs right-padded prompts [B, W] into an empty cache `chunk` tokens at a time, for as many chunks as the longest
+    row needs (ceil(max(lengths_b) / chunk), a traced trip count): prefill work follows the real prompt lengths, not
+    the padded width. Every row writes every chunk (a row's padding lands past its length and is never committed).
+
+    `see_chunk(seen, start, taps)`, when given, sees each chunk as it is made: its first position and its taps
+    [B, chunk, F] (None without tap layers), and returns the new `seen` (a drafter's commit of those positions), so no
+    buffer of the whole prompt's taps is ever held.
+
+    Returns:
+      (float32 logits at each row's last prompt token [B, V], `seen` after the last chunk, the cache with lengths =
+      lengths_b).
+    """
+    B, W = tokens_bw.shape
+    chunk = chunk_size(chunk, W)
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
+    last_b = lengths_b - 1
+
+    def run_chunk(i, carry):
+        logits_bv, seen, cache = carry
+        start = i * chunk
+        tokens_bc = jnp.take(tokens_bw, start + offsets, axis=1, mode="clip")  # past W: past every prompt
+        positions = jnp.broadcast_to(start + offsets, (B, chunk))
+        at = jnp.clip(last_b - start, 0, chunk - 1)[:, None]
+        logits, taps, cache = forward(weights, cfg, tokens_bc, positions, cache, None, tap_layers, at)
+        here = (last_b >= start) & (last_b < start + chunk)
+        logits_bv = jnp.where(here[:, None], logits[:, 0], logits_bv)
+        seen = seen if see_chunk is None else see_chunk(seen, start, taps)
+        return logits_bv, seen, cache.at_lengths(jnp.full((B,), start + chunk, jnp.int32))
+
+    logits0 = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+    num_chunks = -(-jnp.max(lengths_b) // chunk)
+    logits_bv, seen, cache = jax.lax.fori_loop(0, num_chunks, run_chunk, (logits0, seen, cache))
+    return logits_bv, seen, cache.at_lengths(lengths_b)
+
+
 def head_rows(weights: Weights) -> jax.Array | Int8Matrix:
     """The LM head as [V, D] rows (the embedding when tied), int8 where the weights are."""
     return weights.embed if weights.lm_head is None else weights.lm_head.T
