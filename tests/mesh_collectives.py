@@ -23,18 +23,21 @@ from specjax.io.loading import load_model
 from specjax.models.eagle3 import param_specs
 
 COLLECTIVE = re.compile(
-    r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(.*?"
+    r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(.*?"
     r'op_name="([^"]*)"'
 )
 
 
+SHAPE = re.compile(r"\w+\[[^\]]*\](?:\{[^}]*\})?")
+
+
 def collectives(run) -> list[dict]:
-    """The collectives of the program `run()` compiles."""
+    """The collectives of the program `run()` compiles, one per value moved (XLA may combine several into one)."""
     before = set(batch._EXECUTABLES)
     run()
     (key,) = set(batch._EXECUTABLES) - before
     text = batch._EXECUTABLES[key].as_text()
-    return [dict(kind=m[2], shape=m[1], op=m[3]) for m in COLLECTIVE.finditer(text)]
+    return [dict(kind=m[2], shape=shape, op=m[3]) for m in COLLECTIVE.finditer(text) for shape in SHAPE.findall(m[1])]
 
 
 def main(root: Path) -> None:

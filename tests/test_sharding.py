@@ -84,10 +84,11 @@ def test_decode_programs_hold_only_the_collectives_tensor_parallelism_needs(tmp_
     forward = [out_proj, mlp_down, "all-reduce:gather", "all-gather:reduce", "all-gather:reduce"]
     assert programs["plain"] == sorted(forward * 2 + ["all-reduce:reduce_and"])
     # The speculative loop adds the acceptance histogram over the data axis, and the head split by its own rules: its
-    # commit's embedding lookup (after the prefill and each verification) and, per pass of its layer (the root, then
-    # the chain's scanned step or each tree level), the two reductions and the draft logits' gather (the chain's
-    # argmax values and ids, a tree level's logits for top-k). No draft step looks up the vocabulary-split embedding.
-    speculative = sorted(forward * 2 + ["all-reduce:reduce_and", "all-reduce:reduce_sum"] + ["all-reduce:gather"] * 2)
+    # commit's embedding lookup (in each prefill chunk, for the first token, after each verification; XLA may combine
+    # the chunk's with the target's into one all-reduce) and, per pass of its layer (the root, then the chain's scanned
+    # step or each tree level), the two reductions and the draft logits' gather (the chain's argmax values and ids, a
+    # tree level's logits for top-k). No draft step looks up the vocabulary-split embedding.
+    speculative = sorted(forward * 2 + ["all-reduce:reduce_and", "all-reduce:reduce_sum"] + ["all-reduce:gather"] * 3)
     head_pass = [out_proj, mlp_down, "all-gather:reduce", "all-gather:reduce"]
     assert programs["chain"] == sorted(speculative + head_pass * 2)
     assert programs["tree"] == sorted(speculative + [out_proj, mlp_down, "all-gather:sharding_constraint"] * 3)
