@@ -2,8 +2,8 @@
 target layer wide, 32000 draft tokens) on TPU slices and GPU nodes, from the shapes alone: no weight is made; the
 head's arrays are shapes with the shardings its own rules give them on a mesh of fake CPU devices
 (`Eagle3Head.place`), so their per-device share is counted as a run places it. Batch 8, a 1000-token prompt, 1024
-new tokens, an EAGLE-3 tree of depth 5, top-k 8, 32 nodes, bfloat16 (and int8 targets). Estimates, not measurements
-on the devices. Prints two Markdown tables.
+new tokens, an EAGLE-3 tree of depth 5, top-k 8, 32 nodes, bfloat16 (and int8 targets), the accelerators' 512-token
+prefill chunk. Estimates, not measurements on the devices. Prints two Markdown tables.
 
 Usage: python scripts/plan_table.py
 """
@@ -31,6 +31,7 @@ from specjax.drafters.tree import TreeSpec  # noqa: E402
 from specjax.host import GIB  # noqa: E402
 from specjax.measure.memory import memory_plan  # noqa: E402
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head, param_specs  # noqa: E402
+from specjax.models.llama import ACCELERATOR_PREFILL_CHUNK  # noqa: E402
 from specjax.sharding import default_mesh_axes, make_mesh, named_sharding  # noqa: E402
 
 TARGETS = {
@@ -69,6 +70,7 @@ def plans_gib(cfg: ModelConfig, devices: int) -> dict[str, float]:
         quantize: memory_plan(
             cfg, jnp.bfloat16, batch=8, prompt_len=1000, max_new_tokens=1024, drafter=drafter, draft_shape=TREE,
             target_weights=embed, mesh=axes if mesh is not None else None, quantize=quantize,
+            prefill_chunk=ACCELERATOR_PREFILL_CHUNK,
         ).total / GIB
         for quantize in ("none", "int8")
     }  # fmt: skip

@@ -1,6 +1,7 @@
 """specjax-bench end to end on the tiny random model: JSON, table and plot written, modes interleaved per batch,
 greedy speculative outputs identical to autoregressive ones, speedups paired per batch."""
 
+import dataclasses
 import json
 import logging
 import statistics
@@ -9,6 +10,7 @@ import pytest
 
 from specjax import host
 from specjax.cli import bench
+from specjax.io.loading import tiny_random_model
 from specjax.measure import bandwidth, calibration
 
 
@@ -83,6 +85,21 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys, caplog, monkeypatch)
     )
     assert "bench 5/5 layerskip: compiling (a warm-up batch)" in progress
     assert "bench timing 5 modes on 4 batches, interleaved" in progress
+
+
+def test_context_costs_time_each_long_context_shape_the_model_holds():
+    """Each `LONG_CONTEXT` forward timed, each against the one-token step at its live length; a shape past the
+    model's maximum length is left out."""
+    tiny = tiny_random_model()
+    model = dataclasses.replace(tiny, cfg=dataclasses.replace(tiny.cfg, max_position_embeddings=8192))
+    rows = bench.context_cost_sweep(model, batch=1)
+    assert [(r["tokens"], r["live"], r["slots"], r["tree"]) for r in rows] == [
+        (1, 300, 512, False), (1, 300, 8192, False), (1, 4096, 8192, False), (10, 4096, 8192, True)
+    ]  # fmt: skip
+    assert rows[0]["target_steps"] == 1.0 and rows[2]["target_steps"] == 1.0
+    assert rows[1]["target_steps"] == pytest.approx(rows[1]["ms"] / rows[0]["ms"])
+    assert rows[3]["target_steps"] == pytest.approx(rows[3]["ms"] / rows[2]["ms"]) and all(r["ms"] > 0 for r in rows)
+    assert [r["slots"] for r in bench.context_cost_sweep(tiny, batch=1)] == [512]  # tiny holds 2048 positions
 
 
 def test_measure_interleaves_modes_and_pairs_speedups():

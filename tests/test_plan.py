@@ -1,10 +1,14 @@
 """The memory plan against XLA's compiled memory analysis on the CPU, and the one-line refusal of a run that does not
 fit (through both CLIs, with the device's memory made small)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from test_eagle3_checkpoint import LLAMA31_8B
 
 import specjax.decoding.autoregressive as ar_loop
 import specjax.decoding.speculative as spec
@@ -21,7 +25,7 @@ from specjax.errors import InputError
 from specjax.measure import memory as plan
 from specjax.models import llama
 from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
-from specjax.models.llama import init_weights
+from specjax.models.llama import ACCELERATOR_PREFILL_CHUNK, init_weights
 from specjax.sampling import Sampling
 from specjax.sharding import larger_meshes
 
@@ -81,6 +85,29 @@ def test_plan_of_eagle3_chain_decoding_matches_compiled_memory():
     assert p.drafter > head_cache + sum(x.size * 4 for x in jax.tree.leaves(drafter.params))
     shared = 0 if drafter.target_embed is None else drafter.target_embed.size * 4
     assert p.total == pytest.approx(measured_bytes(lowered, shared), rel=0.10)
+
+
+@pytest.mark.parametrize("batch, prompt_len", [(8, 8192), (1, 32768)])
+def test_llama31_8b_long_context_plans_fit_an_80gb_device(batch, prompt_len):
+    """Llama-3.1-8B in bfloat16 with an EAGLE-3 head of the published shape (a 5,8,32 tree), 256 new tokens, the
+    accelerators' 512-token prefill chunk: weights, cache and one chunk's or one verification's work fit 80 GB. A
+    prefill of the whole prompt at once would not: its scores of the prompt over itself."""
+    cfg = dataclasses.replace(LLAMA31_8B, max_position_embeddings=131072)
+    head_cfg = Eagle3Config.default_for(cfg, draft_vocab_size=32000)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Eagle3Head(head_cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)))
+    embed = jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), jnp.bfloat16)
+    tree = TreeSpec.parse("5,8,32")
+    drafter = Eagle3Drafter(params, embed, graphdef, tree, None, None)
+
+    def plan_at(chunk):
+        return plan.memory_plan(
+            cfg, jnp.bfloat16, batch=batch, prompt_len=prompt_len, max_new_tokens=256, drafter=drafter,
+            draft_shape=tree, target_weights=embed, prefill_chunk=chunk,
+        )  # fmt: skip
+
+    chunked = plan_at(ACCELERATOR_PREFILL_CHUNK)
+    assert chunked.num_slots == 2 * prompt_len + tree.capacity  # the next power of two, and a round's draft
+    assert chunked.total < 80e9 < plan_at(prompt_len).total
 
 
 def test_check_fits_names_the_largest_batch():

@@ -154,7 +154,8 @@ def memory_plan(
     cache_shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
     kv = 2 * math.prod(cache_shape) * size
     taps = len(drafter.traits.tap_layers) if drafter is not None else 0
-    activations = forward_activations(cfg, dtype, batch, chunk_size(prefill_chunk, P), slots, 1, taps, mesh)
+    chunk = chunk_size(prefill_chunk, P)
+    activations = forward_activations(cfg, dtype, batch, chunk, slots, 1, taps, mesh)
     drafter_bytes = 0
     if drafter is not None:
         verified = draft_shape.budget
@@ -164,7 +165,7 @@ def memory_plan(
         )
         shared = {id(x) for x in jax.tree.leaves(target_weights)}
         own = [x for x in jax.tree.leaves(drafter) if id(x) not in shared]
-        state, drafter_work = _drafter_state_and_work(cfg, dtype, drafter, draft_shape, batch, P, slots)
+        state, drafter_work = _drafter_state_and_work(cfg, dtype, drafter, draft_shape, batch, P, chunk, slots)
         drafter_bytes = _nbytes(own) + _nbytes(state)
         # XLA holds a second copy of half the target's cache (its keys or its values) across the loop's writes.
         activations = max(activations, drafter_work) + kv // 2
@@ -178,16 +179,18 @@ def memory_plan(
 
 
 def _drafter_state_and_work(
-    cfg: ModelConfig, dtype, drafter: Drafter, shape: TreeSpec, batch: int, prompt: int, slots: int
+    cfg: ModelConfig, dtype, drafter: Drafter, shape: TreeSpec, batch: int, prompt: int, chunk: int, slots: int
 ) -> tuple[object, int]:
     """The drafter's state (abstract: `init` traced, not run) and the largest value its work computes: its commit of
-    the whole prompt after the prefill, or its proposal of a round's draft (greedy)."""
+    one prefill chunk, or its proposal of a round's draft (greedy)."""
     B = batch
-    tokens = jax.ShapeDtypeStruct((B, prompt), jnp.int32)
     lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
     # The drafter is an argument, not a constant, of what is traced: its arrays may be abstract (shapes alone).
-    state = jax.eval_shape(lambda d, *a: d.init(*a, num_slots=slots), drafter, tokens, lengths)
-    taps = jax.ShapeDtypeStruct((B, prompt, len(drafter.traits.tap_layers) * cfg.hidden_size), dtype)
+    state = jax.eval_shape(
+        lambda d, *a: d.init(*a, num_slots=slots), drafter, jax.ShapeDtypeStruct((B, prompt), jnp.int32), lengths
+    )
+    tokens = jax.ShapeDtypeStruct((B, chunk), jnp.int32)
+    taps = jax.ShapeDtypeStruct((B, chunk, len(drafter.traits.tap_layers) * cfg.hidden_size), dtype)
     commit = jax.make_jaxpr(lambda d, *a: d.commit(*a))(
         drafter, state, tokens, taps if drafter.traits.tap_layers else None, lengths
     )

@@ -548,13 +548,17 @@ def forward(
     return logits, taps, cache.write(k_new, v_new)
 
 
+# Prompt tokens per prefill forward by default: few on the CPU, where small chunks cost little; enough on
+# accelerators to fill their matrix units.
+CPU_PREFILL_CHUNK, ACCELERATOR_PREFILL_CHUNK = 64, 512
+
+
 def chunk_size(prefill_chunk: int | None, width: int | None = None) -> int:
-    """Prompt tokens per prefill forward: the number asked for, else the platform's (64 on the CPU, where small
-    chunks cost little; 512 on accelerators, whose matrix units a chunk fills); at most `width`, the prompts'.
-    Raises InputError below 1."""
+    """Prompt tokens per prefill forward: the number asked for, else the platform's default; at most `width`, the
+    prompts'. Raises InputError below 1."""
     if prefill_chunk is not None and prefill_chunk < 1:
         raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-    chunk = prefill_chunk or (64 if jax.default_backend() == "cpu" else 512)
+    chunk = prefill_chunk or (CPU_PREFILL_CHUNK if jax.default_backend() == "cpu" else ACCELERATOR_PREFILL_CHUNK)
     return min(chunk, width or chunk)
 
 
