@@ -12,15 +12,11 @@ from specjax.models.llama import forward
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "What is the capital of France?",
-    "Explain photosynthesis to a ten-year-old in three sentences.",
     "Translate into French: The weather is lovely today and we are going to the beach.",
-    "List five prime numbers.",
     "hi",
-    "Write a haiku about the ocean.",
     "Qu'est-ce que l'apprentissage automatique ? Réponds brièvement.",
     "def fibonacci(n):\n    # complete this function\n",
     "A train leaves at 3pm travelling at 60 km/h. How far has it gone by 5:30pm? Show your reasoning step by step.",
-    "Give me a JSON object with the keys name, age and city for a fictional person.",
 ]
 
 
@@ -29,14 +25,14 @@ def test_greedy_batch_matches_transformers_generate(smollm2, hf_smollm2):
     prompt_ids = [tok.chat_prompt_ids(p) for p in PROMPTS]
     assert len({len(p) for p in prompt_ids}) > 5  # a batch of mixed lengths
     eos = tuple(tok.eos_token_ids)
-    ours = generate(smollm2.weights, smollm2.cfg, prompt_ids, max_new_tokens=64, eos_ids=eos)
+    ours = generate(smollm2.weights, smollm2.cfg, prompt_ids, max_new_tokens=48, eos_ids=eos)
     for ids, completion in zip(prompt_ids, ours.completions):
         with torch.no_grad():
             out = hf_smollm2.generate(
                 torch.tensor([ids]),
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 do_sample=False,
-                max_new_tokens=64,
+                max_new_tokens=48,
                 eos_token_id=list(eos),
                 pad_token_id=eos[0],
             )

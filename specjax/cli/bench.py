@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -25,6 +26,7 @@ from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import speculative
 from specjax.decoding.autoregressive import generate
 from specjax.decoding.batch import compilation_summary, compilations, num_slots
+from specjax.decoding.engine import Engine
 from specjax.decoding.stats import SpecStats, acceptance
 from specjax.drafters import Drafter, LayerSkipDrafter, drafter_from_spec
 from specjax.drafters.ngram import DEFAULT_NGRAM
@@ -277,6 +279,11 @@ def parse_mode(mode: str) -> tuple[str, int | str | None]:
 UNCOUNTED_FORWARDS = ("hf-pld",)
 # Peers: their prefill is not specjax's.
 PEERS = ("hf", "hf-pld")
+PROMPT_SETS = {
+    "humaneval": humaneval_prompts,
+    "chat": chat_prompts,
+    "mixed": lambda: [p for pair in zip(humaneval_prompts(), chat_prompts()) for p in pair],
+}
 
 
 def measure(
@@ -349,6 +356,54 @@ def context_cost_sweep(model: LoadedModel, batch: int) -> list[dict]:
         {**dataclasses.asdict(shape), "ms": 1000 * t, "target_steps": t / step[shape.live]}
         for shape, t in zip(shapes, times)
     ]
+
+
+def engine_comparison(
+    model: LoadedModel, runners: dict, prompts: Sequence[Sequence[int]], limits: Sequence[int], slots: int,
+    sampling: SamplingConfig, eos: tuple[int, ...], prefill_chunk: int | None, seed: int,
+) -> list[dict]:  # fmt: skip
+    """Each specjax mode over the whole prompt set with each prompt's own limit: today's static batches of `slots`
+    prompts (`generate` per batch), against the engine whose slots refill as rows finish, and the engine holding
+    static batches (`refill=False`) for the share of slot-rounds that rows sat finished. Compilation excluded."""
+    context = max(len(p) + n for p, n in zip(prompts, limits))
+    rows = []
+    for mode, runner in runners.items():
+        if mode in PEERS:
+            continue
+        status(f"bench engine: {mode}")
+        speculating = isinstance(runner, SpeculativeRunner)
+        drafter, k = (runner.drafter, runner.num_draft_tokens) if speculating else (None, 1)
+        static_ids, static_s = [], 0.0
+        for at in range(0, len(prompts), slots):
+            ids, seconds, *_ = runner(prompts[at : at + slots], limits[at : at + slots], seed + at)
+            static_ids, static_s = static_ids + ids, static_s + seconds
+        engines = {}
+        for refill in (False, True):
+            engine = Engine(
+                model.weights, model.cfg, drafter=drafter, num_draft_tokens=k, slots=slots, max_context=context,
+                sampled=not sampling.greedy, eos_ids=eos, prefill_chunk=prefill_chunk, seed=seed, refill=refill,
+            )  # fmt: skip
+            engine.generate(prompts[:slots], 2, sampling)  # compiles its programs
+            engine.slot_rounds.clear()
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, limits, sampling)
+            engines[refill] = (engine, [c.output_ids for c in out], time.perf_counter() - t0)
+        tokens = sum(map(len, static_ids))
+
+        def idle(engine: Engine) -> float:
+            return engine.slot_rounds["idle"] / max(1, sum(engine.slot_rounds.values()))
+
+        (static_engine, _, static_engine_s), (refilling, refill_ids, refill_s) = engines[False], engines[True]
+        rows.append({
+            "mode": mode, "prompts": len(prompts), "slots": slots, "tokens": tokens,
+            "static_tokens_per_s": tokens / static_s,
+            "static_engine_tokens_per_s": sum(map(len, engines[False][1])) / static_engine_s,
+            "refill_tokens_per_s": sum(map(len, refill_ids)) / refill_s,
+            "refill_vs_static": (sum(map(len, refill_ids)) / refill_s) / (tokens / static_s),
+            "idle_share_static": idle(static_engine), "idle_share_refill": idle(refilling),
+            "identical": (refill_ids == static_ids == engines[False][1]) if sampling.greedy else None,
+        })  # fmt: skip
+    return rows
 
 
 def prefill_seconds(model: LoadedModel, groups, max_new_tokens: int, prefill_chunk: int | None) -> list[float]:
@@ -478,8 +533,9 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--tree", default=None, help=f"depth,topk,budget of the eagle3-tree mode (default {DEFAULT_TREE})")
     p.add_argument("--dflash", default=None, help="DFlash draft folder for the dflash mode")
     p.add_argument(
-        "--prompt-set", choices=("humaneval", "chat"), default="humaneval",
-        help="the prompts when none are given: HumanEval's 164, or specjax's 96 general-chat prompts (8 categories)",
+        "--prompt-set", choices=tuple(PROMPT_SETS), default="humaneval",
+        help="the prompts when none are given: HumanEval's 164, specjax's 96 general-chat prompts (8 categories), or "
+        "both, alternating",
     )  # fmt: skip
     p.add_argument("--num-prompts", type=cli.integer, default=None, help="use only the first N prompts")
     p.add_argument(
@@ -494,6 +550,11 @@ def parser() -> cli.ArgumentParser:
         "--context-costs", action="store_true",
         help="also time the target forward at long contexts: a step after 300 tokens in 512 and 8192 slots, a step "
         "and a 10-node tree after 4096 tokens",
+    )  # fmt: skip
+    p.add_argument(
+        "--engine", action="store_true",
+        help="also decode every prompt through the engine whose --batch-size slots refill as rows finish, each prompt "
+        "with a limit drawn between half --max-new-tokens and it, against static batches of the same prompts",
     )  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=Path("bench_out"), help="where the JSON, table and plot go")
     p.add_argument("--json", dest="json_out", type=Path, help="JSON path (default OUT_DIR/bench.json)")
@@ -512,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cli.check_positive(name, getattr(args, name[2:].replace("-", "_")))
     given = cli.gather_prompts(args)
     prompt_set = "given" if given else args.prompt_set
-    prompts = given or (humaneval_prompts() if args.prompt_set == "humaneval" else chat_prompts())
+    prompts = given or PROMPT_SETS[args.prompt_set]()
     prompts = prompts[: args.num_prompts]
     cli.check_output_dir(args.out_dir)
     json_path = cli.check_output_file(args.json_out or args.out_dir / "bench.json")
@@ -578,6 +639,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.context_costs:
         status("bench timing the target forward at long contexts")
     long_context = context_cost_sweep(model, batch_size) if args.context_costs else []
+    engine_rows = []
+    if args.engine:
+        every = [p for g in groups for p in g]
+        rng = random.Random(args.seed)
+        limits = [rng.randint(max(1, args.max_new_tokens // 2), args.max_new_tokens) for _ in every]
+        engine_rows = engine_comparison(
+            model, runners, every, limits, batch_size, sampling, eos, args.prefill_chunk, args.seed
+        )
     config = {
         "model": args.model, "prompt_set": prompt_set,
         "prompts": used, "batch_size": batch_size, "max_new_tokens": args.max_new_tokens,
@@ -602,10 +671,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{r['target_steps']:.2f} |\n"
             for r in long_context
         )
+    if engine_rows:
+        table += (
+            "\n| mode, refilling slots | static batches (tok/s) | refilling (tok/s) | ratio | slot-rounds finished, "
+            "static | refilling |\n|---|---:|---:|---:|---:|---:|\n"
+        )
+        table += "".join(
+            f"| {r['mode']} | {r['static_tokens_per_s']:.1f} | {r['refill_tokens_per_s']:.1f} | "
+            f"{r['refill_vs_static']:.2f}x | {r['idle_share_static']:.0%} | {r['idle_share_refill']:.0%} |\n"
+            for r in engine_rows
+        )
     table += f"\n{compilation_summary()}\n"
     report = {"config": config, "modes": rows, "compilations": compilations()}
     report |= {"forward_costs": sweep} if sweep else {}
     report |= {"context_costs": long_context} if long_context else {}
+    report |= {"engine": engine_rows} if engine_rows else {}
     cli.write_results(json_path, json.dumps(report, indent=1))
     write_file(args.out_dir / "bench.md", table)
     title = (

@@ -240,6 +240,17 @@ def write_back(loop: Loop, before: SpecState, after: SpecState, path: Path) -> S
     )
 
 
+def next_round(loop: Loop, s: SpecState) -> SpecState:
+    """One round: the policy picks its menu entry, whose draft is verified and accepted, then written back."""
+    depths = [shape.depth for shape in loop.shapes]
+    regime_b = loop.drafter.regime(s.draft_state, s.tokens_bs, s.length_b)
+    remaining_b = jnp.where(s.done_b, 0, loop.max_new_b - s.num_new_b)
+    entry = loop.policy.choose(s.policy_state, depths, regime_b, remaining_b)
+    rounds = [functools.partial(draft_verify_accept, loop, entry) for entry in range(len(loop.shapes))]
+    after, path = jax.lax.switch(entry, rounds, s, regime_b)
+    return write_back(loop, s, after, path)
+
+
 def finish(loop: Loop, s: SpecState, prompt_lengths_b: jax.Array) -> SpecOutput:
     """The generated tokens of each row [B, S] (S the prompts' width), padded after its count."""
     positions = jnp.arange(s.tokens_bs.shape[1] - loop.capacity)[None, :]
@@ -288,17 +299,7 @@ def speculative_decode(
     shapes = tuple(menu_shapes(drafter, policy.menu))
     loop = Loop(weights, drafter, policy, sampling, cfg, shapes, max_new_b, eos_ids, prefill_chunk)
     state, prompt_lengths_b = start(loop, tokens_up, lengths_u, key, active_b, num_samples)
-    rounds = [functools.partial(draft_verify_accept, loop, entry) for entry in range(len(shapes))]
-    depths = [shape.depth for shape in shapes]
-
-    def step(s: SpecState) -> SpecState:
-        regime_b = drafter.regime(s.draft_state, s.tokens_bs, s.length_b)
-        remaining_b = jnp.where(s.done_b, 0, max_new_b - s.num_new_b)
-        entry = policy.choose(s.policy_state, depths, regime_b, remaining_b)
-        after, path = jax.lax.switch(entry, rounds, s, regime_b)
-        return write_back(loop, s, after, path)
-
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), step, state)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), functools.partial(next_round, loop), state)
     return finish(loop, state, prompt_lengths_b)
 
 

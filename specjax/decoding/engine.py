@@ -1,0 +1,300 @@
+"""Slots that refill: continuous batching on the speculative loop's fixed shapes.
+
+An `Engine` holds one decode state (`SpecState`) of B rows, its slots, of S KV slots each, and a queue of requests.
+Two device programs, each compiled once per (B, S, drafter options, greedy or sampled):
+  insert  prefills one request into one slot: its prompt by chunks into a fresh one-row state (target cache, drafter
+          state, the policy's per-row state, first token), which replaces that row of the batch state;
+  run     rounds of the loop (`speculative.next_round`) until a running row finishes, or `max_rounds` pass.
+Between programs the host streams each row's new tokens, takes finished rows' completions and inserts queued
+requests into the freed slots (JetStream's prefill / insert / generate split). Shapes never change, so nothing
+compiles again as requests come and go. Rows do not interact: a row's tokens depend on its own request alone (its
+prompt, limit and sampling values; sampled rows also on the loop's key), so greedy output equals the prompt decoded
+alone. Plain decoding is the same loop with every round a plain step (`Fixed(0)`, a drafter that never drafts).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.adaptive import Fixed, Policy, menu_shapes
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding import speculative
+from specjax.decoding.batch import Completion, compiled, num_slots, on_mesh, pack_prompts, prng_key, to_host
+from specjax.drafters.base import ChainDrafter, Drafter
+from specjax.errors import InputError
+from specjax.models.llama import Weights, chunk_size
+from specjax.sampling import Sampling
+
+DEFAULT_ROUNDS = 64  # rounds per `run` at most: how often a streaming client hears from a long row
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PlainSteps(ChainDrafter):
+    """The drafter of plain decoding in the engine: the policy's one menu entry is the plain step, so it never drafts
+    and has nothing to keep."""
+
+
+def row_axes(one_row, two_rows):
+    """Each leaf's row axis: the one where a state of one row and a state of two differ; None for a leaf of the whole
+    batch (counters, the loop's key)."""
+
+    def axis(a, b):
+        return next((i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n), None)
+
+    return jax.tree.map(axis, one_row, two_rows)
+
+
+def put_row(state, one_row, axes, row: jax.Array):
+    """`state` with row `row` replaced by the one-row state's; whole-batch leaves keep `state`'s."""
+
+    def put(full, one, axis):
+        return full if axis is None else jax.lax.dynamic_update_slice_in_dim(full, one.astype(full.dtype), row, axis)
+
+    return jax.tree.map(put, state, one_row, axes)
+
+
+def _loop(weights, drafter, policy, sampling, max_new_b, cfg, eos_ids, prefill_chunk) -> speculative.Loop:
+    shapes = tuple(menu_shapes(drafter, policy.menu))
+    return speculative.Loop(weights, drafter, policy, sampling, cfg, shapes, max_new_b, eos_ids, prefill_chunk)
+
+
+STATIC = ("cfg", "eos_ids", "prefill_chunk")
+
+
+@functools.partial(jax.jit, static_argnames=STATIC)
+def empty_state(weights, drafter, policy, tokens_bs, key, sampling, *, cfg, eos_ids, prefill_chunk):
+    """The state of B free slots (every row finished) over S = tokens_bs.shape[1] slots."""
+    B = tokens_bs.shape[0]
+    loop = _loop(weights, drafter, policy, sampling, jnp.ones((B,), jnp.int32), cfg, eos_ids, prefill_chunk)
+    state, _ = speculative.start(loop, tokens_bs, jnp.ones((B,), jnp.int32), key, jnp.zeros((B,), bool), 1)
+    return state
+
+
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
+def insert(
+    weights, drafter, policy, state, tokens_1s, length_1, max_new_1, key, sampling_1, row, *, cfg, eos_ids,
+    prefill_chunk,
+):  # fmt: skip
+    """`state` with slot `row` holding a new request: its prompt [1, S] of `length_1` tokens prefilled into a fresh
+    row (cache, drafter and policy state), its first token sampled with `key`."""
+    loop = _loop(weights, drafter, policy, sampling_1, max_new_1, cfg, eos_ids, prefill_chunk)
+    one, _ = speculative.start(loop, tokens_1s, length_1, key, None, 1)
+
+    def shape_of(rows):
+        tokens = jnp.zeros((rows, tokens_1s.shape[1]), jnp.int32)
+        sampling = jax.tree.map(lambda x: jnp.repeat(x, rows, axis=0), sampling_1)
+        lo = _loop(weights, drafter, policy, sampling, jnp.ones((rows,), jnp.int32), cfg, eos_ids, prefill_chunk)
+        return jax.eval_shape(lambda: speculative.start(lo, tokens, jnp.ones((rows,), jnp.int32), key, None, 1)[0])
+
+    return put_row(state, one, row_axes(shape_of(1), shape_of(2)), row)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
+def run(weights, drafter, policy, state, max_new_b, sampling, max_rounds, *, cfg, eos_ids, prefill_chunk):
+    """Rounds until a row running at the start finishes (or every row is finished), at most `max_rounds`."""
+    loop = _loop(weights, drafter, policy, sampling, max_new_b, cfg, eos_ids, prefill_chunk)
+    done_at_start = state.done_b
+
+    def going(carry):
+        s, rounds = carry
+        return ~jnp.any(s.done_b & ~done_at_start) & ~jnp.all(s.done_b) & (rounds < max_rounds)
+
+    def step(carry):
+        s, rounds = carry
+        return speculative.next_round(loop, s), rounds + 1
+
+    state, _ = jax.lax.while_loop(going, step, (state, jnp.int32(0)))
+    return state
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a request got from one `Engine.step`: its new tokens, and its completion when it finished."""
+
+    request: int
+    new_ids: list[int]
+    completion: Completion | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    max_new: int
+    sampling: SamplingConfig
+    streamed: int = 0  # tokens handed out in events so far
+
+
+class Engine:
+    """Decodes a stream of requests in B slots that refill as rows finish (module docstring).
+
+    Args:
+      weights, cfg: the target.
+      drafter: any `Drafter`; None: plain decoding.
+      num_draft_tokens: K or an adaptive menu, as `speculative.generate` takes (with a drafter).
+      slots: B, rows decoded together.
+      max_context: the longest prompt + max_new_tokens a request may ask for (S is the power of two above it).
+      sampled: False: every request greedy (the greedy program); True: per-request sampling values (a request with
+        temperature 0 is greedy inside it).
+      eos_ids: tokens that end a row; defaults to the config's EOS ids.
+      prefill_chunk: prompt tokens per prefill forward; defaults to the platform's.
+      seed: the loop's PRNG seed.
+      refill: False: a new request waits until every slot is free (static batches, for comparison).
+    """
+
+    def __init__(
+        self,
+        weights: Weights,
+        cfg: ModelConfig,
+        *,
+        drafter: Drafter | None = None,
+        num_draft_tokens: int | Policy = 1,
+        slots: int = 8,
+        max_context: int = 2048,
+        sampled: bool = False,
+        eos_ids: Sequence[int] | None = None,
+        prefill_chunk: int | None = None,
+        seed: int = 0,
+        refill: bool = True,
+    ):
+        if slots < 1:
+            raise InputError(f"slots must be >= 1, got {slots}")
+        if not 1 <= max_context <= cfg.max_position_embeddings:
+            raise InputError(f"max_context must be in 1..{cfg.max_position_embeddings}, got {max_context}")
+        if drafter is None:
+            drafter, policy = PlainSteps(), Fixed(0)
+        else:
+            policy = speculative.as_policy(num_draft_tokens)
+            speculative.check_inputs(cfg, drafter, policy)
+        self.cfg, self.slots, self.sampled, self.refill = cfg, slots, sampled, refill
+        self.num_slots = num_slots(cfg, max_context)
+        self.static = dict(
+            cfg=cfg, eos_ids=tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids)),
+            prefill_chunk=chunk_size(prefill_chunk),
+        )  # fmt: skip
+        self.model = on_mesh((weights, drafter, policy))
+        self._key = prng_key(seed)
+        tokens = jnp.zeros((slots, self.num_slots), jnp.int32)
+        self.state = self._call(empty_state, tokens, self._next_key(), self._sampling([SamplingConfig()] * slots))
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._rows: list[_Request | None] = [None] * slots
+        self._ids = 0
+        self.slot_rounds = collections.Counter()  # {"running": row-rounds of live rows, "idle": of free slots}
+
+    def _call(self, fn, *args):
+        args = on_mesh((*self.model, *args))
+        executable, _ = compiled(fn, args, self.static)
+        return executable(*args)
+
+    def _next_key(self) -> jax.Array:
+        self._key, key = jax.random.split(self._key)
+        return key
+
+    def _sampling(self, settings: Sequence[SamplingConfig]) -> Sampling:
+        sampling = Sampling.of(list(settings), len(settings))
+        return dataclasses.replace(sampling, greedy=not self.sampled)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def busy(self) -> int:
+        """Slots holding a request."""
+        return sum(r is not None for r in self._rows)
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig()) -> int:
+        """Queues a request; returns its id. Raises InputError for one the engine cannot serve."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise InputError("every prompt must contain at least one token")
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt) + max_new_tokens > self.num_slots:
+            raise InputError(
+                f"a prompt of {len(prompt)} tokens plus {max_new_tokens} new tokens exceeds the engine's context "
+                f"of {self.num_slots} tokens"
+            )
+        if min(prompt) < 0 or max(prompt) >= self.cfg.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.cfg.vocab_size)
+            raise InputError(f"token id {bad} is outside the model's vocabulary 0..{self.cfg.vocab_size - 1}")
+        if not self.sampled and not sampling.greedy:
+            raise InputError("this engine decodes greedily: make it with sampled=True for sampling values")
+        self._ids += 1
+        self._queue.append(_Request(self._ids, prompt, int(max_new_tokens), sampling))
+        return self._ids
+
+    def step(self, max_rounds: int = DEFAULT_ROUNDS) -> list[Event]:
+        """Fills free slots from the queue, runs rounds until a row finishes (at most `max_rounds`) and returns each
+        running request's new tokens, with the completions of those that finished."""
+        self._fill()
+        running = [i for i, r in enumerate(self._rows) if r is not None]
+        if not running:
+            return []
+        max_new = np.array([r.max_new if r else 1 for r in self._rows], np.int32)
+        sampling = self._sampling([r.sampling if r else SamplingConfig() for r in self._rows])
+        rounds_before = int(self.state.rounds)
+        self.state = self._call(run, self.state, max_new, sampling, jnp.int32(max_rounds))
+        tokens, length, num_new, done, rounds = to_host(
+            (self.state.tokens_bs, self.state.length_b, self.state.num_new_b, self.state.done_b, self.state.rounds)
+        )
+        ran = int(rounds) - rounds_before
+        self.slot_rounds["running"] += ran * len(running)
+        self.slot_rounds["idle"] += ran * (self.slots - len(running))
+        events = []
+        for i in running:
+            r = self._rows[i]
+            start = length[i] - num_new[i]
+            new = [int(t) for t in tokens[i, start + r.streamed : start + num_new[i]]]
+            r.streamed = int(num_new[i])
+            completion = None
+            if done[i]:
+                ids = [int(t) for t in tokens[i, start : start + num_new[i]]]
+                reason = "stop" if ids and ids[-1] in self.static["eos_ids"] else "length"
+                completion = Completion(r.prompt, ids, reason)
+                self._rows[i] = None
+            events.append(Event(r.id, new, completion))
+        return events
+
+    def _fill(self) -> None:
+        free = [i for i, r in enumerate(self._rows) if r is None]
+        if not self.refill and len(free) < self.slots:
+            return
+        for i in free:
+            if not self._queue:
+                return
+            r = self._queue.popleft()
+            tokens, length = pack_prompts([r.prompt], 1, self.num_slots)
+            self.state = self._call(
+                insert, self.state, jnp.asarray(tokens), jnp.asarray(length), jnp.asarray([r.max_new], jnp.int32),
+                self._next_key(), self._sampling([r.sampling]), jnp.int32(i),
+            )  # fmt: skip
+            self._rows[i] = r
+
+    def events(self, max_rounds: int = DEFAULT_ROUNDS) -> Iterator[Event]:
+        """Steps until the queue is empty and every slot free, yielding each step's events."""
+        while self._queue or self.busy:
+            yield from self.step(max_rounds)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
+    ) -> list[Completion]:
+        """Decodes the prompts through the slots; their completions in prompt order."""
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        settings = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) else list(sampling)
+        if not len(limits) == len(settings) == len(prompts):
+            raise InputError(f"give one max_new_tokens and one sampling setting, or one per prompt ({len(prompts)})")
+        ids = [self.submit(p, n, s) for p, n, s in zip(prompts, limits, settings)]
+        done = {e.request: e.completion for e in self.events() if e.completion is not None}
+        return [done[i] for i in ids]

@@ -1,0 +1,111 @@
+"""The refilling engine: each request's greedy output through slots that refill (random arrivals, mixed lengths,
+partial runs) equals plain greedy decoding of its prompt alone, for every drafter; streamed tokens add up to the
+completion; a handful of programs serve any number of requests; bad requests are refused in one line."""
+
+import random
+
+import jax
+import pytest
+from flax import nnx
+
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding import batch
+from specjax.decoding.autoregressive import generate
+from specjax.decoding.engine import Engine
+from specjax.drafters import DFlashDrafter, Eagle3Drafter, LookupFirstDrafter, NgramDrafter
+from specjax.drafters.tree import TreeSpec
+from specjax.errors import InputError
+from specjax.models.dflash import DFlashConfig, init_dflash
+from specjax.models.eagle3 import Eagle3Config, Eagle3Head
+from specjax.models.llama import init_weights
+
+# A small vocabulary, so that random drafts are often right and rows accept different numbers of drafts; EOS ends
+# some rows early.
+CFG = ModelConfig("llama", 8, 16, 32, 4, 4, 2, 8, max_position_embeddings=64, eos_token_ids=(1,))
+WEIGHTS = init_weights(CFG, jax.random.key(0), scale=0.5)
+
+
+def requests(n: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(2, 8) for _ in range(rng.randrange(1, 30))], rng.randrange(1, 24)) for _ in range(n)]
+
+
+def eagle3(tree=None):
+    head = Eagle3Head(Eagle3Config.default_for(CFG), rngs=nnx.Rngs(1), init_scale=0.3)
+    return Eagle3Drafter.create(head, WEIGHTS.embed, tree)
+
+
+def dflash():
+    cfg = DFlashConfig.default_for(CFG, mask_token_id=7, num_layers=1, block_size=4, target_layer_ids=(0, 2))
+    return DFlashDrafter.for_target(init_dflash(cfg, jax.random.key(2), scale=0.3), cfg, WEIGHTS)
+
+
+DRAFTERS = {
+    "plain": lambda: None,
+    "ngram": lambda: NgramDrafter(max_n=2),
+    "eagle3 chain": eagle3,
+    "eagle3 tree": lambda: eagle3(TreeSpec(3, 2, 6)),
+    "lookup first": lambda: LookupFirstDrafter(eagle3(), n=2),  # an EAGLE-3 chain where the lookup finds nothing
+    "dflash": dflash,
+}
+IN_CI = [pytest.param(n, marks=pytest.mark.slow) if n == "eagle3 chain" else n for n in DRAFTERS]
+
+
+@pytest.mark.parametrize("name", IN_CI)
+def test_greedy_output_through_refilled_slots_equals_each_prompt_alone(name):
+    engine = Engine(WEIGHTS, CFG, drafter=DRAFTERS[name](), num_draft_tokens=3, slots=3, max_context=64)
+    work = requests(10, seed=len(name))
+    rng = random.Random(0)
+    ids, completions, streamed = {}, {}, {}
+    while work or engine.busy or engine.queued:
+        for _ in range(rng.randrange(0, 3)):  # arrivals between steps
+            if work:
+                prompt, limit = work.pop()
+                ids[engine.submit(prompt, limit)] = (prompt, limit)
+        for event in engine.step(max_rounds=rng.randrange(1, 5)):
+            streamed.setdefault(event.request, []).extend(event.new_ids)
+            if event.completion is not None:
+                completions[event.request] = event.completion
+    assert sorted(completions) == sorted(ids) and engine.busy == 0
+    for i, (prompt, limit) in ids.items():
+        alone = generate(WEIGHTS, CFG, [prompt], max_new_tokens=limit).completions[0]
+        assert completions[i].output_ids == alone.output_ids == streamed[i], (name, prompt, limit)
+        assert completions[i].finish_reason == alone.finish_reason
+    assert engine.slot_rounds["running"] > 0
+    if name != "plain":
+        assert engine.state.accepted_hist[1:].sum() > 0  # drafts were accepted, some rows more than others
+
+
+def test_a_stream_of_requests_compiles_three_programs_and_static_batches_idle_more():
+    work = requests(12, seed=5)
+    prompts, limits = [p for p, _ in work], [n for _, n in work]
+    before = batch.compilations()
+    refilling = Engine(WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=3, slots=4, max_context=64)
+    out = refilling.generate(prompts, limits)
+    compiled = {k: n - before.get(k, 0) for k, n in batch.compilations().items() if n != before.get(k, 0)}
+    assert compiled == {"empty_state": 1, "insert": 1, "run": 1}
+    static = Engine(WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=3, slots=4, max_context=64,
+                    refill=False)  # fmt: skip
+    assert [c.output_ids for c in static.generate(prompts, limits)] == [c.output_ids for c in out]
+
+    def idle_share(engine):
+        return engine.slot_rounds["idle"] / (engine.slot_rounds["idle"] + engine.slot_rounds["running"])
+
+    assert idle_share(refilling) < idle_share(static)
+
+
+def test_bad_requests_are_refused_in_one_line():
+    engine = Engine(WEIGHTS, CFG, slots=2, max_context=64)
+    for args, needle in [
+        (([3] * 60, 10), "exceeds the engine's context of 64 tokens"),
+        (([3, 9], 4), "token id 9 is outside the model's vocabulary 0..7"),
+        (([], 4), "at least one token"),
+        (([3], 0), "max_new_tokens must be >= 1"),
+    ]:
+        with pytest.raises(InputError, match=needle):
+            engine.submit(*args)
+    with pytest.raises(InputError, match="sampled=True"):
+        engine.submit([3], 4, SamplingConfig(temperature=1.0))
+    with pytest.raises(InputError, match="max_context must be in 1..64"):
+        Engine(WEIGHTS, CFG, max_context=65)
+    assert engine.queued == 0 and engine.busy == 0
