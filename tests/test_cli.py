@@ -242,3 +242,16 @@ def test_many_requests_compile_few_programs_and_decode_as_each_alone(save_tiny_l
             alone = generate(model.weights, model.cfg, [r["prompt_ids"]], max_new_tokens=line["max_new_tokens"],
                              eos_ids=model.eos_ids)  # fmt: skip
             assert r["output_ids"] == alone.completions[0].output_ids
+
+
+def test_stream_prints_the_text_that_decoding_it_whole_gives(tiny_folder, tmp_path, capsys):
+    argv = ["--model", str(tiny_folder), "--prompt", "Count to three.", "--max-new-tokens", "12"]
+    entry([*argv, "--json", str(tmp_path / "whole.json")])
+    whole = json.loads((tmp_path / "whole.json").read_text())["results"][0]
+    capsys.readouterr()
+    entry([*argv, "--drafter", "ngram", "--num-draft-tokens", "2", "--stream"])
+    printed = capsys.readouterr().out
+    assert printed.startswith("\n>>> Count to three.\n" + whole["text"] + "\n")
+    assert printed.rstrip().splitlines()[-1].startswith(f"[{len(whole['output_ids'])} tokens, {whole['finish_reason']}")
+    code, err = run_cli(capsys, *argv, "--prompt", "Hi", "--stream")
+    assert code == 2 and err.splitlines()[-1].startswith("specjax-generate: error: --stream prints one prompt")

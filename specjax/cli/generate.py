@@ -7,12 +7,15 @@ import sys
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from specjax.adaptive import Adaptive
 from specjax.cli import common as cli
 from specjax.decoding import speculative
 from specjax.decoding.autoregressive import generate
 from specjax.decoding.batch import compilation_summary, compilations
+from specjax.decoding.engine import Engine
+from specjax.decoding.stats import acceptance
 from specjax.drafters import SPEC_HELP, drafter_from_spec
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
@@ -50,6 +53,10 @@ def parser() -> cli.ArgumentParser:
         "--num-samples", type=cli.integer, default=1,
         help="N samples of each prompt, decoded in one batch whose N rows share the prompt's prefill",
     )  # fmt: skip
+    p.add_argument(
+        "--stream", action="store_true",
+        help="print the tokens of one prompt as the rounds accept them (through the engine: specjax.decoding.engine)",
+    )  # fmt: skip
     p.add_argument("--json", dest="json_out", help="write the results to this JSON file")
     p.add_argument(
         "--plan", action="store_true",
@@ -67,6 +74,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli.check_positive("--prefill-chunk", args.prefill_chunk)
     json_out = cli.check_output_file(args.json_out) if args.json_out else None
     requests = cli.gather_requests(args, default=[DEFAULT_PROMPT])
+    if args.stream and (len(requests) > 1 or args.num_samples > 1 or args.compare_ar or json_out or args.plan):
+        raise InputError("--stream prints one prompt as it is decoded: give one prompt, without --num-samples, "
+                         "--compare-ar, --json or --plan")  # fmt: skip
     prompts, limits = [p for p, _ in requests], [n for _, n in requests]
     tree = TreeSpec.parse(args.tree) if args.tree is not None else None
     model = cli.load_target(args)
@@ -97,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli.check_memory(plan_at, batch_size)
     if verified == "auto" and drafter is not None:
         verified = cli.adaptive_drafting(model, drafter, sampling, batch_size)
+    if args.stream:
+        stream(model, drafter, verified, prompts[0], prompt_ids[0], limits[0], sampling, args)
+        return
 
     results = []
     for start in range(0, len(prompts), per_call):
@@ -189,6 +202,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         report = {"config": config, "compilations": compilations(), "results": results}
         cli.write_results(json_out, json.dumps(report, indent=1, ensure_ascii=False))
         print(f"wrote {len(results)} results to {json_out}", file=sys.stderr)
+
+
+def stream(model, drafter, num_draft_tokens, prompt: str, ids: list[int], limit: int, sampling, args) -> None:
+    """Decodes one prompt through a one-slot engine, a round at a time, printing its text as it grows."""
+    engine = Engine(
+        model.weights, model.cfg, drafter=drafter, num_draft_tokens=num_draft_tokens, slots=1,
+        max_context=len(ids) + limit, sampled=not sampling.greedy, eos_ids=model.eos_ids,
+        prefill_chunk=args.prefill_chunk, seed=args.seed,
+    )  # fmt: skip
+    engine.submit(ids, limit, sampling)
+    print(f"\n>>> {prompt}")
+    out, shown, completion = [], "", None
+    for event in engine.events(max_rounds=1):
+        out += event.new_ids
+        text = model.tokenizer.decode(out)
+        if not text.endswith("\ufffd"):  # not in the middle of a character's bytes
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
+        completion = event.completion or completion
+    print(model.tokenizer.decode(out)[len(shown) :])
+    mean_accepted, _ = acceptance(np.asarray(engine.state.accepted_hist))
+    accepted = f", mean accepted length {mean_accepted:.2f}" if drafter is not None else ""
+    print(f"[{len(out)} tokens, {completion.finish_reason}{accepted}]")
 
 
 def entry(argv: Sequence[str] | None = None) -> None:
