@@ -3,6 +3,10 @@
 The values are data (`Sampling`, one per row): one batch mixes settings, and a new value never compiles again. Only
 `Sampling.greedy` (every row greedy: the argmax fast path) is fixed at trace time. Top-k and top-p find their
 thresholds by bisection instead of a full-vocabulary sort, and cost nothing when no row of the batch uses them.
+
+Randomness is per row too: every draw takes the rows' typed PRNG keys [B] and draws each row from its own key
+(`split_rows`, `categorical_rows`, `uniform_rows`, `gumbel_rows`), so a row's tokens depend only on its key and its
+inputs, never on the other rows of the batch or on its place in it.
 """
 
 from __future__ import annotations
@@ -139,11 +143,32 @@ def probabilities(logits: jax.Array, sampling: Sampling) -> jax.Array:
     return jax.nn.softmax(process_logits(logits, sampling), axis=-1)
 
 
-def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
-    """Draws one token per row of logits [B, ..., V] -> int32 [B, ...]."""
+def sample(keys_b: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """Draws one token per row of logits [B, ..., V], row b with keys_b[b] (unused when greedy) -> int32 [B, ...]."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, process_logits(logits, sampling), axis=-1).astype(jnp.int32)
+    return categorical_rows(keys_b, process_logits(logits, sampling))
+
+
+def split_rows(keys_b: jax.Array, num: int = 2) -> jax.Array:
+    """Each row's key split in `num`: typed keys [num, B], entry [i, b] = split(keys_b[b], num)[i]. Unpacks as
+    `carry_b, draw_b = split_rows(keys_b)`."""
+    return jax.vmap(lambda key: jax.random.split(key, num), out_axes=1)(keys_b)
+
+
+def categorical_rows(keys_b: jax.Array, logits: jax.Array) -> jax.Array:
+    """A draw from softmax(logits) over the last axis of logits [B, ..., V], row b with keys_b[b] -> int32 [B, ...]."""
+    return jax.vmap(lambda key, x: jax.random.categorical(key, x, axis=-1))(keys_b, logits).astype(jnp.int32)
+
+
+def uniform_rows(keys_b: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniforms in [0, 1), float32 [B, *shape], row b from keys_b[b]."""
+    return jax.vmap(lambda key: jax.random.uniform(key, shape, jnp.float32))(keys_b)
+
+
+def gumbel_rows(keys_b: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Standard Gumbel noise, float32 [B, *shape], row b from keys_b[b]."""
+    return jax.vmap(lambda key: jax.random.gumbel(key, shape, jnp.float32))(keys_b)
 
 
 def in_target_vocab(probs: jax.Array, vocab_ids: jax.Array, vocab_size: int) -> jax.Array:

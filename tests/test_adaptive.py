@@ -131,7 +131,7 @@ def test_the_cache_is_not_copied_through_the_switch():
 
     def cache_copies(menu: Adaptive) -> int:
         args = (WEIGHTS, NgramDrafter(max_n=2), menu, jnp.asarray(req.tokens), jnp.asarray(req.lengths),
-                jnp.asarray(req.max_new), jax.random.key(0), req.sampling, jnp.asarray(req.active))  # fmt: skip
+                jnp.asarray(req.max_new), req.keys, req.sampling, jnp.asarray(req.active))  # fmt: skip
         hlo = spec.speculative_decode.lower(*args, cfg=CFG, eos_ids=(), prefill_chunk=64)
         slots = req.tokens.shape[1] + max(menu.menu) + 1  # the cache's: S, and a round's draft
         cache = f"f32[{CFG.num_layers},{len(PROMPTS)},{slots},{CFG.num_kv_heads},{CFG.head_dim}]"
@@ -150,7 +150,8 @@ def test_sampled_output_keeps_the_target_distribution_with_plain_steps_among_the
     menu = Adaptive.of((0, 2), [1.0, 1.9])  # at the prior 0.6 two drafts pay (1.96 / 1.9 > 1); below ~0.58 not
     tokens, lengths = pack_prompts([prompt], 1, toy.max_position_embeddings)
     out = spec.speculative_decode(
-        weights, NgramDrafter(max_n=1), menu, tokens, lengths, np.full(samples, 4, np.int32), jax.random.key(0),
+        weights, NgramDrafter(max_n=1), menu, tokens, lengths, np.full(samples, 4, np.int32),
+        jax.random.split(jax.random.key(0), samples),
         Sampling.of(sampling), cfg=toy, eos_ids=(), num_samples=samples, prefill_chunk=2,
     )  # fmt: skip
     by_entry = np.asarray(out.state.menu_rounds)

@@ -99,7 +99,8 @@ def test_greedy_identical_to_autoregressive_with_a_fresh_context_cache(k, vocab)
     expected = ar_generate(TARGET, TARGET_CFG, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=()).completions
     tokens, lengths = pack_prompts(PROMPTS, len(PROMPTS), TARGET_CFG.max_position_embeddings)
     out = spec.speculative_decode(
-        TARGET, drafter, Fixed(k), tokens, lengths, np.full(len(PROMPTS), MAX_NEW, np.int32), jax.random.key(0),
+        TARGET, drafter, Fixed(k), tokens, lengths, np.full(len(PROMPTS), MAX_NEW, np.int32),
+        jax.random.split(jax.random.key(0), len(PROMPTS)),
         Sampling.of(SamplingConfig(), len(PROMPTS)), cfg=TARGET_CFG, eos_ids=(), prefill_chunk=4,
     )  # fmt: skip
     assert np.asarray(out.out_bn)[:, :MAX_NEW].tolist() == [c.output_ids for c in expected]
@@ -142,8 +143,9 @@ def exact_joint(sampling: SamplingConfig) -> np.ndarray:
 def sampled_joint(sampling: SamplingConfig, drafter, k: int) -> np.ndarray:
     tokens, lengths = pack_prompts([DIST_PROMPT], 1, TARGET_CFG.max_position_embeddings)
     out = spec.speculative_decode(
-        TARGET, drafter, Fixed(k), tokens, lengths, np.full(SAMPLES, 3, np.int32), jax.random.key(0),
-        Sampling.of(sampling), cfg=TARGET_CFG, eos_ids=(), num_samples=SAMPLES, prefill_chunk=2,
+        TARGET, drafter, Fixed(k), tokens, lengths, np.full(SAMPLES, 3, np.int32),
+        jax.random.split(jax.random.key(0), SAMPLES), Sampling.of(sampling), cfg=TARGET_CFG, eos_ids=(),
+        num_samples=SAMPLES, prefill_chunk=2,
     )  # fmt: skip
     V = TARGET_CFG.vocab_size
     flat = np.asarray(out.out_bn)[:, :3] @ np.array([V * V, V, 1])

@@ -71,8 +71,9 @@ def test_ngram_continuation_runs_periodically_into_the_tail():
 def test_ngram_rows_are_independent_and_probs_are_one_hot():
     tokens, lengths = pack_prompts([[1, 2, 3, 1, 2], [5, 6, 5], [9]], 3, 64)
     drafter = NgramDrafter(max_n=2)
+    keys_b = jax.random.split(jax.random.key(0), 3)
     draft, probs, state = drafter.propose_chain(
-        drafter.init(tokens, lengths, 64), jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
+        drafter.init(tokens, lengths, 64), jnp.asarray(tokens), jnp.asarray(lengths), keys_b,
         num_draft_tokens=3, vocab_size=16, sampling=Sampling.of(SamplingConfig(0.7)),
     )  # fmt: skip
     assert draft.tolist() == [[3, 1, 2], [6, 5, 6], [9, 9, 9]]
@@ -86,11 +87,12 @@ def truncated(n):
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
-def propose(drafter, tokens_bs, length_b, key, k, sampling):
+def propose(drafter, tokens_bs, length_b, seed, k, sampling):
     state = drafter.init(tokens_bs, length_b - 1, tokens_bs.shape[1] + k + 2)
-    return drafter.propose_chain(state, tokens_bs, length_b, key, num_draft_tokens=k, vocab_size=64, sampling=sampling)[
-        :2
-    ]
+    keys_b = jax.random.split(jax.random.key(seed), tokens_bs.shape[0])
+    return drafter.propose_chain(
+        state, tokens_bs, length_b, keys_b, num_draft_tokens=k, vocab_size=64, sampling=sampling
+    )[:2]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +104,7 @@ def test_a_draw_in_a_draft_vocabulary_is_the_draw_over_target_logits_masked_outs
     logits = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3, len(vocab_ids))) * 2, jnp.float32)
     full_logits = jnp.full((2, 3, V), -jnp.inf).at[..., vocab_ids].set(logits)
     rows = Sampling.of([SamplingConfig(**setting), SamplingConfig(**setting)])
-    token, probs = draw(jax.random.key(4), logits, rows, vocab_ids, V)
+    token, probs = draw(jax.random.split(jax.random.key(4), 2), logits, rows, vocab_ids, V)
     np.testing.assert_allclose(probs, probabilities(full_logits, rows), rtol=1e-6, atol=1e-7)
     assert probs.shape == (2, 3, V) and np.all(np.isin(np.asarray(token), np.asarray(vocab_ids)))
     assert np.all(np.take_along_axis(np.asarray(probs), np.asarray(token)[..., None], -1) > 0)
@@ -121,14 +123,12 @@ def test_layer_skip_drafts_like_the_truncated_target():
     for i in range(2):
         tokens[i, lengths[i]] = expected[i][0]
     drafter = LayerSkipDrafter(WEIGHTS, CFG, 2)
-    draft, probs = propose(
-        drafter, jnp.asarray(tokens), jnp.asarray(lengths + 1), jax.random.key(0), 4, Sampling.of(SamplingConfig())
-    )
+    draft, probs = propose(drafter, jnp.asarray(tokens), jnp.asarray(lengths + 1), 0, 4, Sampling.of(SamplingConfig()))
     assert draft.tolist() == [e[1:5] for e in expected]
     np.testing.assert_array_equal(probs, jax.nn.one_hot(draft, 64))
     # At temperature > 0 the first draft's probs are the truncated model's processed distribution.
     sampling = Sampling.of(SamplingConfig(temperature=0.7, top_k=10))
-    _, probs = propose(drafter, jnp.asarray(tokens), jnp.asarray(lengths + 1), jax.random.key(0), 2, sampling)
+    _, probs = propose(drafter, jnp.asarray(tokens), jnp.asarray(lengths + 1), 0, 2, sampling)
     for i, prompt in enumerate(prompts):
         ids = jnp.asarray([prompt + expected[i][:1]])
         T = ids.shape[1]

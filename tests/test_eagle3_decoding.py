@@ -71,7 +71,8 @@ def decode(d, prompts, cfg=CFG, weights=WEIGHTS, max_new=MAX_NEW, sampling=Sampl
     tokens, lengths = pack_prompts(prompts, len(prompts), cfg.max_position_embeddings)
     return spec.speculative_decode(
         weights, d, Fixed(K), jnp.asarray(tokens), jnp.asarray(lengths), np.full(len(prompts), max_new, np.int32),
-        jax.random.key(seed), Sampling.of(sampling), cfg=cfg, eos_ids=(), prefill_chunk=8,
+        jax.random.split(jax.random.key(seed), len(prompts)), Sampling.of(sampling), cfg=cfg, eos_ids=(),
+        prefill_chunk=8,
     )  # fmt: skip
 
 
@@ -252,6 +253,22 @@ def test_tree_rows_with_mixed_settings_each_match_their_target_distribution():
         assert tv < TV_BOUND, (setting, tv)
 
 
+def test_sampled_tree_rows_are_the_same_alone_as_in_a_batch():
+    """The tree's draws (Gumbel-top-k children) and acceptance use each row's own key: a seeded prompt samples the same
+    tokens alone and among other prompts, and again on a second call."""
+    d = drafter(SMALL_TREE, SMALL_HEAD, SMALL_WEIGHTS)
+    prompts, seeds = [[1, 2, 3], [4, 5, 6, 7, 0, 1], [2]], [7, 8, 9]
+
+    def run(prompts, seeds):
+        return outputs(spec.generate(
+            SMALL_WEIGHTS, SMALL, prompts, drafter=d, num_draft_tokens=2, max_new_tokens=12,
+            sampling=SamplingConfig(temperature=1.0), seed=seeds, eos_ids=(),
+        ))  # fmt: skip
+
+    batched = run(prompts, seeds)
+    assert [run([p], [s])[0] for p, s in zip(prompts, seeds)] == batched == run(prompts, seeds)
+
+
 def draw_from_the_target_after_rejections(monkeypatch):
     """The wrong sibling rule: after a rejection the target's distribution stands, not the residual."""
     monkeypatch.setattr(acceptance, "residual_probs", lambda target_probs, draft_probs: target_probs)
@@ -276,7 +293,9 @@ def test_recursive_rejection_is_exact_for_one_node(monkeypatch):
     target = jax.nn.softmax(2 * jax.random.normal(key_p, (V,)))
     q = jax.nn.softmax(2 * jax.random.normal(key_q, (V,)))
     sampling = Sampling.of(SamplingConfig(temperature=1.0))
-    tok, _, ok, probs = tree_mod.draw_children(key_d, jnp.broadcast_to(jnp.log(q), (B, V)), k, sampling)
+    tok, _, ok, probs = tree_mod.draw_children(
+        jax.random.split(key_d, B), jnp.broadcast_to(jnp.log(q), (B, V)), k, sampling
+    )
     M = k + 1
     t = tree_mod.DraftTree(
         tokens=jnp.concatenate([jnp.zeros((B, 1), jnp.int32), tok], 1),
@@ -294,7 +313,7 @@ def test_recursive_rejection_is_exact_for_one_node(monkeypatch):
     for exact in (True, False):
         if not exact:
             draw_from_the_target_after_rejections(monkeypatch)
-        n, nxt, last = acceptance.recursive_rejection(key_a, t, p_all)
+        n, nxt, last = acceptance.recursive_rejection(jax.random.split(key_a, B), t, p_all)
         first = jnp.where(n > 0, jnp.take_along_axis(t.tokens, last[:, None], 1)[:, 0], nxt)
         emp = np.bincount(np.asarray(first), minlength=V) / B
         tv = total_variation(emp, np.asarray(target))
@@ -312,8 +331,9 @@ def test_lookup_first_takes_the_lookup_only_in_rows_whose_tail_recurs():
     lengths = jnp.array([6, 6])
     state = d.commit(d.init(tokens, lengths, 16), tokens[:, 1:], jnp.ones((2, 5, 3 * CFG.hidden_size)), lengths - 1)
     options = dict(num_draft_tokens=3, vocab_size=CFG.vocab_size, sampling=Sampling.of(SamplingConfig()))
-    draft, probs, _ = d.propose_chain(state, tokens, lengths, jax.random.key(0), **options)
-    alone, alone_probs, _ = fallback.propose_chain(state, tokens, lengths, jax.random.key(0), **options)
+    keys_b = jax.random.split(jax.random.key(0), 2)
+    draft, probs, _ = d.propose_chain(state, tokens, lengths, keys_b, **options)
+    alone, alone_probs, _ = fallback.propose_chain(state, tokens, lengths, keys_b, **options)
     assert draft[0].tolist() == [9, 4, 7] and probs[0].argmax(-1).tolist() == [9, 4, 7]
     np.testing.assert_array_equal(draft[1], alone[1])
     np.testing.assert_array_equal(probs[1], alone_probs[1])
@@ -329,10 +349,9 @@ def test_lookup_first_fallback_drafting_fewer_tokens_repeats_its_last_draft():
     lengths = jnp.array([6, 6])
     state = d.commit(d.init(tokens, lengths, 16), tokens[:, 1:], jnp.ones((2, 5, 3 * CFG.hidden_size)), lengths - 1)
     options = dict(vocab_size=CFG.vocab_size, sampling=Sampling.of(SamplingConfig()))
-    draft, probs, _ = d.propose_chain(state, tokens, lengths, jax.random.key(0), num_draft_tokens=3, **options)
-    alone, alone_probs, _ = fallback.propose_chain(
-        state, tokens, lengths, jax.random.key(0), num_draft_tokens=1, **options
-    )
+    keys_b = jax.random.split(jax.random.key(0), 2)
+    draft, probs, _ = d.propose_chain(state, tokens, lengths, keys_b, num_draft_tokens=3, **options)
+    alone, alone_probs, _ = fallback.propose_chain(state, tokens, lengths, keys_b, num_draft_tokens=1, **options)
     assert draft[0].tolist() == [9, 4, 7]  # the lookup proposes all 3
     assert draft[1].tolist() == [int(alone[1, 0])] * 3
     np.testing.assert_array_equal(probs[1, 0], alone_probs[1, 0])

@@ -62,7 +62,8 @@ def exported_text(exported: export.Exported) -> str:
 def loop_inputs(sampling: SamplingConfig):
     tokens = jnp.zeros((BATCH, PROMPT), jnp.int32)
     limits = jnp.full((BATCH,), 8, jnp.int32)
-    return tokens, jnp.array([3, 21], jnp.int32), limits, jax.random.key(0), Sampling.of(sampling, BATCH)
+    keys = jax.random.split(jax.random.key(0), BATCH)
+    return tokens, jnp.array([3, 21], jnp.int32), limits, keys, Sampling.of(sampling, BATCH)
 
 
 DRAFTERS = {

@@ -51,7 +51,7 @@ def inputs(cfg: ModelConfig, batch: int, prompt_len: int, max_new: int):
     """The loops' arguments after the weights (and drafter), prompts packed as `prepare_batch` packs them."""
     tokens = jnp.zeros((batch, num_slots(cfg, prompt_len + max_new)), jnp.int32)
     lengths, limits = jnp.full((batch,), prompt_len, jnp.int32), jnp.full((batch,), max_new, jnp.int32)
-    return tokens, lengths, limits, jax.random.key(0), Sampling.of(SamplingConfig(), batch)
+    return tokens, lengths, limits, jax.random.split(jax.random.key(0), batch), Sampling.of(SamplingConfig(), batch)
 
 
 @pytest.mark.parametrize("batch, prompt_len, slots", [(8, 100, 256), (2, 1000, 2048)])

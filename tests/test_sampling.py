@@ -5,7 +5,18 @@ import pytest
 
 from specjax.config import SamplingConfig
 from specjax.errors import InputError
-from specjax.sampling import Sampling, probabilities, process_logits, sample, top_k_mask, top_p_mask
+from specjax.sampling import (
+    Sampling,
+    categorical_rows,
+    gumbel_rows,
+    probabilities,
+    process_logits,
+    sample,
+    split_rows,
+    top_k_mask,
+    top_p_mask,
+    uniform_rows,
+)
 
 LOGITS = jnp.array([[2.0, 1.0, 0.5, -1.0, 3.0], [0.0, 0.0, 0.0, 0.0, 5.0]])
 
@@ -40,20 +51,42 @@ def test_temperature_then_top_k_then_top_p():
     assert (np.asarray(probs)[np.isinf(np.asarray(expected))] == 0).all()
 
 
+def row_keys(seed, rows):
+    return jax.random.split(jax.random.key(seed), rows)
+
+
 def test_greedy_is_argmax_and_sampling_is_reproducible():
-    assert sample(jax.random.key(0), LOGITS, Sampling.of(SamplingConfig())).tolist() == [4, 4]
+    assert sample(row_keys(0, 2), LOGITS, Sampling.of(SamplingConfig())).tolist() == [4, 4]
     cfg = Sampling.of(SamplingConfig(temperature=1.0))
     logits = jnp.zeros((64, 50))
-    a = sample(jax.random.key(7), logits, cfg)
-    b = sample(jax.random.key(7), logits, cfg)
-    c = sample(jax.random.key(8), logits, cfg)
+    a = sample(row_keys(7, 64), logits, cfg)
+    b = sample(row_keys(7, 64), logits, cfg)
+    c = sample(row_keys(8, 64), logits, cfg)
     assert a.tolist() == b.tolist() and a.tolist() != c.tolist()
+
+
+def test_each_row_draws_from_its_own_key_alone():
+    """A row's draws depend on its key and logits only: not on the other rows, their number or its place."""
+    logits = jnp.asarray(np.random.default_rng(4).normal(0, 1, (5, 3, 40)), jnp.float32)
+    keys = row_keys(3, 5)
+    cfg = Sampling.of(SamplingConfig(temperature=1.0))
+    draw = jax.jit(sample)
+    batch = np.asarray(draw(keys, logits, cfg))
+    alone = [np.asarray(draw(keys[b : b + 1], logits[b : b + 1], cfg))[0] for b in range(5)]
+    np.testing.assert_array_equal(np.stack(alone), batch)
+    np.testing.assert_array_equal(draw(keys[::-1], logits[::-1], cfg), batch[::-1])
+    split = split_rows(keys, 3)  # [3, 5]: entry [i, b] = split(keys[b], 3)[i]
+    assert split.shape == (3, 5)
+    np.testing.assert_array_equal(jax.random.key_data(split[:, 1]), jax.random.key_data(jax.random.split(keys[1], 3)))
+    u = np.asarray(uniform_rows(keys, (4,)))
+    np.testing.assert_array_equal(uniform_rows(keys[2:3], (4,))[0], u[2])
+    assert categorical_rows(keys, logits).shape == (5, 3) and gumbel_rows(keys, (2, 7)).shape == (5, 2, 7)
 
 
 def test_sampled_frequencies_follow_the_processed_distribution():
     cfg = Sampling.of(SamplingConfig(temperature=0.7, top_k=4))
     logits = jnp.broadcast_to(LOGITS[0], (200_000, 5))
-    draws = np.asarray(sample(jax.random.key(1), logits, cfg))
+    draws = np.asarray(sample(row_keys(1, len(logits)), logits, cfg))
     freq = np.bincount(draws, minlength=5) / len(draws)
     np.testing.assert_allclose(freq, np.asarray(probabilities(LOGITS[0], cfg)), atol=5e-3)
     assert freq[3] == 0  # masked by top-k
@@ -104,7 +137,7 @@ def test_rows_of_a_batch_each_get_their_own_setting():
         alone = np.asarray(probabilities(logits[b], Sampling.of(setting)))
         np.testing.assert_allclose(got[b], alone, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(got[1], np.asarray(jax.nn.one_hot(jnp.argmax(logits[1], -1), 40)))
-    drawn = np.asarray(sample(jax.random.key(0), logits, rows))
+    drawn = np.asarray(sample(row_keys(0, 5), logits, rows))
     assert drawn[1].tolist() == np.asarray(jnp.argmax(logits[1], -1)).tolist()
     with pytest.raises(InputError, match="3 sampling settings for a batch of 2"):
         Sampling.of(settings[:3], 2)

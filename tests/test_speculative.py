@@ -39,6 +39,11 @@ def outputs(result):
     return [c.output_ids for c in result.completions]
 
 
+def row_keys(seed, rows):
+    """Typed PRNG keys [rows], one per row."""
+    return jax.random.split(jax.random.key(seed), rows)
+
+
 @pytest.fixture(scope="module")
 def ar_batch():
     return outputs(ar_generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=()))
@@ -97,13 +102,13 @@ def test_cache_equals_fresh_prefill_and_traces_once(monkeypatch):
     limits = np.full(4, 15, np.int32)
     static = dict(cfg=CFG, eos_ids=(), prefill_chunk=8)
     first = spec.speculative_decode(
-        WEIGHTS, drafter, Fixed(3), tokens, lengths, limits, jax.random.key(0), sampling, **static
+        WEIGHTS, drafter, Fixed(3), tokens, lengths, limits, row_keys(0, 4), sampling, **static
     )
     # Other prompts and limits, and other sampling values in every row (mixed, one greedy): the same executable.
     tokens2, lengths2 = pack_prompts(PROMPTS[::-1], 4, 128)
     mixed = [SamplingConfig(0.7, 5, 0.9), SamplingConfig(), SamplingConfig(1.5), SamplingConfig(1.0, top_p=0.5)]
     spec.speculative_decode(
-        WEIGHTS, drafter, Fixed(3), tokens2, lengths2, limits - 2, jax.random.key(1), Sampling.of(mixed, 4), **static
+        WEIGHTS, drafter, Fixed(3), tokens2, lengths2, limits - 2, row_keys(1, 4), Sampling.of(mixed, 4), **static
     )
     assert len(traces) == 1
 
@@ -131,6 +136,29 @@ def test_generate_reuses_the_executable():
     assert second.compile_seconds == 0 and again.compile_seconds == 0  # a new temperature compiles nothing
     assert outputs(again) == outputs(first)
     assert first.stats.tokens_per_s > 0 and first.stats.rounds >= 1
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "other_model"])
+def test_a_seeded_prompt_samples_the_same_tokens_in_any_batch(name):
+    """Every row draws from a key of its own: a prompt with its seed samples the same tokens alone, among other
+    prompts in any order, and with padding rows; the same call again gives them again; other seeds give others. One
+    int seed keys prompt i by its index."""
+    prompts, seeds = [PROMPTS[0], PROMPTS[1], PROMPTS[3]], [11, 22, 33]
+
+    def run(prompts, seed, **kw):
+        kw = dict(max_new_tokens=MAX_NEW, sampling=SamplingConfig(temperature=1.0), seed=seed, eos_ids=()) | kw
+        if name == "plain":
+            return outputs(ar_generate(WEIGHTS, CFG, prompts, **kw))
+        return outputs(spec.generate(WEIGHTS, CFG, prompts, drafter=DRAFTERS[name], num_draft_tokens=3, **kw))
+
+    batched = run(prompts, seeds)
+    for prompt, seed, output in zip(prompts, seeds, batched):
+        assert run([prompt], [seed]) == [output]
+    # Another order, padding rows, and two samples per prompt: sample 0 is the prompt's one sample.
+    assert run(prompts[::-1], seeds[::-1], batch_size=4, num_samples=2)[:6:2] == batched[::-1]
+    assert run(prompts, seeds) == batched
+    assert all(a != b for a, b in zip(run(prompts, [12, 23, 34]), batched))
+    assert run(prompts, 5)[0] == run(prompts[:1], 5)[0]  # prompt 0 of one seed: fold_in(key(5), 0) either way
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -186,7 +214,7 @@ def sampled_outputs(sampling, drafter, k=2, seed=0):
     tokens, lengths = pack_prompts([TOY_PROMPT], 1, TOY.max_position_embeddings)
     rows = Sampling.of(sampling, None if isinstance(sampling, SamplingConfig) else SAMPLES)
     out = spec.speculative_decode(
-        TOY_TARGET, drafter, Fixed(k), tokens, lengths, np.full(SAMPLES, 3, np.int32), jax.random.key(seed), rows,
+        TOY_TARGET, drafter, Fixed(k), tokens, lengths, np.full(SAMPLES, 3, np.int32), row_keys(seed, SAMPLES), rows,
         cfg=TOY, eos_ids=(), num_samples=SAMPLES, prefill_chunk=2,
     ).out_bn  # SAMPLES rows that share the prompt's prefill  # fmt: skip
     V = TOY.vocab_size
@@ -269,11 +297,11 @@ def chain(draft_tokens_bk, draft_probs_bkv):
 def test_acceptance_rules_on_fixed_distributions():
     target = jnp.array([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]])  # [B=1, K+1=2, V=3]
     draft = jnp.array([[[0.0, 0.0, 1.0]]])  # the draft proposes token 2, which the target never emits
-    n, nxt, _ = acceptance.recursive_rejection(jax.random.key(0), chain(jnp.array([[2]]), draft), target)
+    n, nxt, _ = acceptance.recursive_rejection(row_keys(0, 1), chain(jnp.array([[2]]), draft), target)
     assert int(n[0]) == 0 and int(nxt[0]) in (0, 1)
     same = jnp.array([[[0.5, 0.5, 0.0]]])
-    keys = jax.random.split(jax.random.key(1), 200)
-    accepted = jax.vmap(lambda k: acceptance.recursive_rejection(k, chain(jnp.array([[1]]), same), target)[0])
+    keys = row_keys(1, 200)
+    accepted = jax.vmap(lambda k: acceptance.recursive_rejection(k[None], chain(jnp.array([[1]]), same), target)[0])
     ns = jax.jit(accepted)(keys)
     assert np.all(np.asarray(ns) == 1)  # draft == target: always accepted, bonus drawn from the last position
     np.testing.assert_allclose(acceptance.residual_probs(target[:, 0], draft[:, 0]), [[0.5, 0.5, 0.0]])

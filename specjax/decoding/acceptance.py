@@ -25,16 +25,16 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.tree import DraftTree
-from specjax.sampling import Sampling, in_target_vocab, probabilities
+from specjax.sampling import Sampling, categorical_rows, in_target_vocab, probabilities, split_rows, uniform_rows
 
 
 def accept(
-    key: jax.Array, draft: DraftTree, target_logits_bmv: jax.Array, sampling: Sampling
+    keys_b: jax.Array, draft: DraftTree, target_logits_bmv: jax.Array, sampling: Sampling
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Applies the rule of `sampling` (`sampling.greedy` chooses it at trace time) to a round's draft.
 
     Args:
-      key: PRNG key (unused when greedy).
+      keys_b: the rows' PRNG keys [B] (unused when greedy).
       draft: the round's draft, M nodes per row.
       target_logits_bmv: float [B, M, V] the target's logits after each node.
       sampling: the rows' sampling values; the processing the drafts went through too.
@@ -43,7 +43,7 @@ def accept(
     """
     if sampling.greedy:
         return greedy_accept(draft, jnp.argmax(target_logits_bmv, axis=-1).astype(jnp.int32))
-    return recursive_rejection(key, draft, probabilities(target_logits_bmv, sampling))
+    return recursive_rejection(keys_b, draft, probabilities(target_logits_bmv, sampling))
 
 
 def greedy_accept(draft: DraftTree, target_tokens_bm: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -61,7 +61,7 @@ def greedy_accept(draft: DraftTree, target_tokens_bm: jax.Array) -> tuple[jax.Ar
 
 
 def recursive_rejection(
-    key: jax.Array, draft: DraftTree, target_probs_bmv: jax.Array
+    keys_b: jax.Array, draft: DraftTree, target_probs_bmv: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Exact acceptance with the draft's real probabilities (temperature > 0); see the module docstring.
 
@@ -69,16 +69,16 @@ def recursive_rejection(
     each of their decisions depends on nothing the path before it drew, so this equals the walk from the root.
 
     Args:
-      key: PRNG key.
+      keys_b: the rows' PRNG keys [B].
       draft: the round's draft; `draft_probs` holds the distribution each node's children were drawn from.
       target_probs_bmv: float32 [B, M, V] the target's processed distribution after each node.
     Returns:
       (n, next token, last) as `accept`.
     """
     B, M, V = target_probs_bmv.shape
-    k_accept, k_next = jax.random.split(key)
+    k_accept, k_next = split_rows(keys_b)
     # One uniform per (node, child); the last node is a leaf, since children come after their parents.
-    u_bmk = jax.random.uniform(k_accept, (B, M - 1, draft.children.shape[-1]))
+    u_bmk = uniform_rows(k_accept, (M - 1, draft.children.shape[-1]))
     u_bmk = jnp.concatenate([u_bmk, jnp.ones_like(u_bmk[:, :1])], axis=1)
     p, q = target_probs_bmv, draft.draft_probs
     if draft.vocab_ids is not None:
@@ -99,7 +99,7 @@ def recursive_rejection(
     has_children = jnp.take_along_axis(draft.children[..., 0], last[:, None], axis=1) >= 0
     p_last, q_last = (jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0] for x in (p, q))
     dist = residual_probs(p_last, jnp.where(has_children, q_last, 0.0))
-    return n, jax.random.categorical(k_next, jnp.log(dist), axis=-1).astype(jnp.int32), last
+    return n, categorical_rows(k_next, jnp.log(dist)), last
 
 
 def residual_probs(target_probs: jax.Array, draft_probs: jax.Array) -> jax.Array:

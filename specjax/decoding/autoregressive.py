@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding.batch import Completion, compiled, completions, is_eos, on_mesh, prepare_batch, prng_key, to_host
+from specjax.decoding.batch import Completion, compiled, completions, is_eos, on_mesh, prepare_batch, to_host
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, chunk_size, chunked_prefill, forward
-from specjax.sampling import Sampling, sample
+from specjax.sampling import Sampling, sample, split_rows
 from specjax.sharding import constrain, set_rows
 
 
@@ -40,7 +40,7 @@ class DecodeState:
     num_new_b: jax.Array  # [B] tokens generated so far
     done_b: jax.Array  # [B] the row has produced EOS or reached its max_new
     cache: KVCache
-    key: jax.Array
+    keys_b: jax.Array  # [B] typed PRNG keys: each row's own, split every step
 
 
 def prefill(
@@ -76,7 +76,7 @@ def decode(
     tokens_up: jax.Array,
     lengths_u: jax.Array,
     max_new_b: jax.Array,
-    key: jax.Array,
+    keys_b: jax.Array,
     sampling: Sampling,
     *,
     cfg: ModelConfig,
@@ -92,7 +92,7 @@ def decode(
         that varies between requests.
       lengths_u: int32 [U] prompt lengths.
       max_new_b: int32 [B] the most tokens each row generates, at most S - its prompt length (data).
-      key: PRNG key (unused when greedy).
+      keys_b: typed PRNG keys [B], one per row (unused when greedy): a row's draws come from its key alone.
       sampling: the rows' sampling values (data: a new value does not compile again).
       cfg: static model config.
       eos_ids: static; a row stops after producing one of these.
@@ -105,27 +105,27 @@ def decode(
     B = U * num_samples
     cache = KVCache.empty(cfg, U, S, weights.embed.dtype)
     logits_bv, _, cache = prefill(weights, cfg, tokens_up, lengths_u, cache, num_samples, prefill_chunk)
-    key, sub = jax.random.split(key)
-    first = sample(sub, logits_bv, sampling)
+    keys_b, first_keys_b = split_rows(keys_b)
+    first = sample(first_keys_b, logits_bv, sampling)
     pad = eos_ids[0] if eos_ids else 0
     state = DecodeState(
         out_bn=jnp.full((B, S), pad, jnp.int32).at[:, 0].set(first),
         num_new_b=jnp.ones((B,), jnp.int32),
         done_b=is_eos(first, eos_ids) | (max_new_b <= 1),
         cache=cache,
-        key=key,
+        keys_b=keys_b,
     )
 
     def step(s: DecodeState) -> DecodeState:
         last = jnp.take_along_axis(s.out_bn, (s.num_new_b - 1)[:, None], axis=1)  # [B, 1]
         logits, _, cache = forward(weights, cfg, last, s.cache.lengths[:, None], s.cache)
         cache = cache.advance(~s.done_b)
-        key, sub = jax.random.split(s.key)
-        token = jnp.where(s.done_b, pad, sample(sub, logits[:, 0], sampling))
+        keys_b, step_keys_b = split_rows(s.keys_b)
+        token = jnp.where(s.done_b, pad, sample(step_keys_b, logits[:, 0], sampling))
         out = set_rows(s.out_bn, s.num_new_b, token)
         num_new = s.num_new_b + (~s.done_b)
         done = s.done_b | is_eos(token, eos_ids) | (num_new >= max_new_b)
-        return DecodeState(out, num_new, done, cache, key)
+        return DecodeState(out, num_new, done, cache, keys_b)
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), step, state)
     return state.out_bn, state.num_new_b
@@ -138,7 +138,7 @@ def generate(
     *,
     max_new_tokens: int | Sequence[int],
     sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     eos_ids: Sequence[int] | None = None,
     batch_size: int | None = None,
     num_samples: int = 1,
@@ -152,7 +152,9 @@ def generate(
       prompts: token ids per prompt (different lengths are fine).
       max_new_tokens: the most tokens generated per prompt: one for every prompt, or one per prompt.
       sampling: one setting for every prompt, or one per prompt; greedy by default.
-      seed: PRNG seed for sampling.
+      seed: PRNG seed for sampling: one for the request (prompt i draws from fold_in(key(seed), i)), or one per
+        prompt (prompt i from key(seed[i])); sample j of a prompt from fold_in(its key, j). A row's tokens depend
+        on its own key alone, not on the rest of the batch.
       eos_ids: tokens that end a row; defaults to the config's EOS ids.
       batch_size: compiled prompts per call (>= len(prompts)); extra prompts are padding. Defaults to len(prompts).
       num_samples: rows per prompt, which share the prompt's prefill.
@@ -160,8 +162,8 @@ def generate(
     Returns:
       A GenerateResult with num_samples Completions per prompt (adjacent), in prompt order.
     """
-    req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
-    args = (weights, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jnp.asarray(req.max_new), prng_key(seed),
+    req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples, seed)
+    args = (weights, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jnp.asarray(req.max_new), req.keys,
             req.sampling)  # fmt: skip
     static = dict(cfg=cfg, eos_ids=req.eos, num_samples=num_samples, prefill_chunk=chunk_size(prefill_chunk))
     args = on_mesh(args)

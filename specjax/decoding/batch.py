@@ -6,6 +6,9 @@ cache holds S slots per row (the speculative loop adds its deepest draft's capac
 each row's max_new_tokens is data, so requests of one S share one program whatever their prompt lengths and limits.
 Every executable is compiled once per (static arguments, shapes, dtypes, shardings) and reused (`compiled`), and
 each compilation is counted per loop (`compilations`).
+
+Every row draws from a PRNG key of its own (`row_keys`), so a row's sampled tokens depend on its seed, prompt and
+settings alone, not on the batch it shares or its place in it.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +75,7 @@ class Request:
     max_new: np.ndarray  # int32 [B] each row's most new tokens
     eos: tuple[int, ...]
     sampling: Sampling  # [B]
+    keys: jax.Array  # [B] typed PRNG keys, one per row (`row_keys`)
     active: np.ndarray  # bool [B]: a real row, not padding
     row_prompts: list[Sequence[int]]  # the prompt of each real row, in row order
 
@@ -83,9 +88,10 @@ def prepare_batch(
     batch_size: int | None,
     sampling: SamplingConfig | Sequence[SamplingConfig],
     num_samples: int = 1,
+    seed: int | Sequence[int] = 0,
 ) -> Request:
-    """Validates a generation request (one max_new_tokens for every prompt, or one per prompt) and packs its prompts,
-    their rows' limits and sampling values. Raises InputError."""
+    """Validates a generation request (one max_new_tokens for every prompt, or one per prompt; one seed, or one per
+    prompt) and packs its prompts, their rows' limits, sampling values and PRNG keys. Raises InputError."""
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, numbers.Integral) else list(max_new_tokens)
     if len(limits) != len(prompts):
         raise InputError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts; give one, or one per prompt")
@@ -117,19 +123,41 @@ def prepare_batch(
     rows = batch * num_samples
     max_new = np.repeat(np.array(limits + limits[:1] * (batch - len(prompts)), np.int32), num_samples)
     return Request(
-        tokens, lengths, max_new, eos, Sampling.of(sampling, rows), np.arange(rows) < len(prompts) * num_samples,
-        [p for p in prompts for _ in range(num_samples)],
+        tokens, lengths, max_new, eos, Sampling.of(sampling, rows), row_keys(seed, len(prompts), batch, num_samples),
+        np.arange(rows) < len(prompts) * num_samples, [p for p in prompts for _ in range(num_samples)],
     )  # fmt: skip
 
 
 SEED_END = 2**63  # JAX's PRNG takes a 64-bit seed
 
 
-def prng_key(seed: int) -> jax.Array:
-    """The PRNG key of a request's seed, an integer in 0..2**63-1. Raises InputError."""
+def row_keys(seed: int | Sequence[int], num_prompts: int, batch: int, num_samples: int = 1) -> jax.Array:
+    """The typed PRNG keys [batch * num_samples] of a request's rows, prompt by prompt (its samples adjacent).
+
+    Prompt i's key is `key(seed[i])` for a seed per prompt, `fold_in(key(seed), i)` for one seed; its sample j's is
+    `fold_in(prompt key, j)`. Padding prompts (past num_prompts) take the first prompt's seed, or their index. A seed
+    is an integer in 0..2**63-1. Raises InputError.
+    """
+    if isinstance(seed, numbers.Integral) or isinstance(seed, (str, bytes)) or not isinstance(seed, Iterable):
+        prompt_keys = _fold_in_each(jax.random.key(_checked_seed(seed))[None], batch)[0]
+    else:
+        seeds = [_checked_seed(s) for s in seed]
+        if len(seeds) != num_prompts:
+            raise InputError(f"{len(seeds)} seeds for {num_prompts} prompts; give one, or one per prompt")
+        prompt_keys = jnp.stack([jax.random.key(s) for s in seeds + seeds[:1] * (batch - num_prompts)])
+    return _fold_in_each(prompt_keys, num_samples).reshape(-1)
+
+
+def _checked_seed(seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < SEED_END:
-        raise InputError(f"seed must be an integer in 0..2**63-1, got {seed!r}")
-    return jax.random.key(int(seed))
+        raise InputError(f"seed must be an integer in 0..2**63-1 (or a sequence of them, one per prompt), got {seed!r}")
+    return int(seed)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _fold_in_each(keys_u: jax.Array, count: int) -> jax.Array:
+    """[U, count] keys: entry [u, j] is fold_in(keys_u[u], j)."""
+    return jax.vmap(lambda key: jax.vmap(functools.partial(jax.random.fold_in, key))(jnp.arange(count)))(keys_u)
 
 
 def completions(prompts: Sequence[Sequence[int]], out_bn, num_new_b, eos: tuple[int, ...]) -> list[Completion]:

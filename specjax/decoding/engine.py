@@ -26,7 +26,7 @@ import numpy as np
 from specjax.adaptive import Fixed, Policy, menu_shapes
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import speculative
-from specjax.decoding.batch import Completion, compiled, num_slots, on_mesh, pack_prompts, prng_key, to_host
+from specjax.decoding.batch import Completion, compiled, num_slots, on_mesh, pack_prompts, row_keys, to_host
 from specjax.drafters.base import ChainDrafter, Drafter
 from specjax.errors import InputError
 from specjax.models.llama import Weights, chunk_size
@@ -56,7 +56,7 @@ def put_row(state, one_row, axes, row: jax.Array):
     """`state` with row `row` replaced by the one-row state's; whole-batch leaves keep `state`'s."""
 
     def put(full, one, axis):
-        return full if axis is None else jax.lax.dynamic_update_slice_in_dim(full, one.astype(full.dtype), row, axis)
+        return full if axis is None else jax.lax.dynamic_update_slice_in_dim(full, one, row, axis)
 
     return jax.tree.map(put, state, one_row, axes)
 
@@ -70,29 +70,29 @@ STATIC = ("cfg", "eos_ids", "prefill_chunk")
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
-def empty_state(weights, drafter, policy, tokens_bs, key, sampling, *, cfg, eos_ids, prefill_chunk):
+def empty_state(weights, drafter, policy, tokens_bs, keys_b, sampling, *, cfg, eos_ids, prefill_chunk):
     """The state of B free slots (every row finished) over S = tokens_bs.shape[1] slots."""
     B = tokens_bs.shape[0]
     loop = _loop(weights, drafter, policy, sampling, jnp.ones((B,), jnp.int32), cfg, eos_ids, prefill_chunk)
-    state, _ = speculative.start(loop, tokens_bs, jnp.ones((B,), jnp.int32), key, jnp.zeros((B,), bool), 1)
+    state, _ = speculative.start(loop, tokens_bs, jnp.ones((B,), jnp.int32), keys_b, jnp.zeros((B,), bool), 1)
     return state
 
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
 def insert(
-    weights, drafter, policy, state, tokens_1s, length_1, max_new_1, key, sampling_1, row, *, cfg, eos_ids,
+    weights, drafter, policy, state, tokens_1s, length_1, max_new_1, keys_1, sampling_1, row, *, cfg, eos_ids,
     prefill_chunk,
 ):  # fmt: skip
     """`state` with slot `row` holding a new request: its prompt [1, S] of `length_1` tokens prefilled into a fresh
-    row (cache, drafter and policy state), its first token sampled with `key`."""
+    row (cache, drafter and policy state), which draws from its key `keys_1` [1] from then on."""
     loop = _loop(weights, drafter, policy, sampling_1, max_new_1, cfg, eos_ids, prefill_chunk)
-    one, _ = speculative.start(loop, tokens_1s, length_1, key, None, 1)
+    one, _ = speculative.start(loop, tokens_1s, length_1, keys_1, None, 1)
 
     def shape_of(rows):
-        tokens = jnp.zeros((rows, tokens_1s.shape[1]), jnp.int32)
-        sampling = jax.tree.map(lambda x: jnp.repeat(x, rows, axis=0), sampling_1)
-        lo = _loop(weights, drafter, policy, sampling, jnp.ones((rows,), jnp.int32), cfg, eos_ids, prefill_chunk)
-        return jax.eval_shape(lambda: speculative.start(lo, tokens, jnp.ones((rows,), jnp.int32), key, None, 1)[0])
+        tokens, lengths = jnp.zeros((rows, tokens_1s.shape[1]), jnp.int32), jnp.ones((rows,), jnp.int32)
+        sampling, keys = jax.tree.map(lambda x: jnp.repeat(x, rows, axis=0), (sampling_1, keys_1))
+        lo = _loop(weights, drafter, policy, sampling, lengths, cfg, eos_ids, prefill_chunk)
+        return jax.eval_shape(lambda: speculative.start(lo, tokens, lengths, keys, None, 1)[0])
 
     return put_row(state, one, row_axes(shape_of(1), shape_of(2)), row)
 
@@ -130,6 +130,7 @@ class _Request:
     prompt: list[int]
     max_new: int
     sampling: SamplingConfig
+    keys: jax.Array  # [1]: its row's PRNG key
     streamed: int = 0  # tokens handed out in events so far
 
 
@@ -146,7 +147,7 @@ class Engine:
         temperature 0 is greedy inside it).
       eos_ids: tokens that end a row; defaults to the config's EOS ids.
       prefill_chunk: prompt tokens per prefill forward; defaults to the platform's.
-      seed: the loop's PRNG seed.
+      seed: where a request gives no seed of its own, request i's key is fold_in(key(seed), i).
       refill: False: a new request waits until every slot is free (static batches, for comparison).
     """
 
@@ -181,9 +182,11 @@ class Engine:
             prefill_chunk=chunk_size(prefill_chunk),
         )  # fmt: skip
         self.model = on_mesh((weights, drafter, policy))
-        self._key = prng_key(seed)
+        self._seed_key = row_keys([seed], 1, 1)[0]
         tokens = jnp.zeros((slots, self.num_slots), jnp.int32)
-        self.state = self._call(empty_state, tokens, self._next_key(), self._sampling([SamplingConfig()] * slots))
+        self.state = self._call(
+            empty_state, tokens, row_keys([seed] * slots, slots, slots), self._sampling([SamplingConfig()] * slots)
+        )
         self._queue: collections.deque[_Request] = collections.deque()
         self._rows: list[_Request | None] = [None] * slots
         self._ids = 0
@@ -193,10 +196,6 @@ class Engine:
         args = on_mesh((*self.model, *args))
         executable, _ = compiled(fn, args, self.static)
         return executable(*args)
-
-    def _next_key(self) -> jax.Array:
-        self._key, key = jax.random.split(self._key)
-        return key
 
     def _sampling(self, settings: Sequence[SamplingConfig]) -> Sampling:
         sampling = Sampling.of(list(settings), len(settings))
@@ -211,8 +210,16 @@ class Engine:
         """Slots holding a request."""
         return sum(r is not None for r in self._rows)
 
-    def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig()) -> int:
-        """Queues a request; returns its id. Raises InputError for one the engine cannot serve."""
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig = SamplingConfig(),
+        seed: int | None = None,
+    ) -> int:
+        """Queues a request; returns its id. Its sampled tokens come from its key alone: with a `seed`, the key
+        `generate([prompt], seed=[seed])` gives its row, so they are those of that call whoever shares the slots.
+        Raises InputError for a request the engine cannot serve."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise InputError("every prompt must contain at least one token")
@@ -228,8 +235,9 @@ class Engine:
             raise InputError(f"token id {bad} is outside the model's vocabulary 0..{self.cfg.vocab_size - 1}")
         if not self.sampled and not sampling.greedy:
             raise InputError("this engine decodes greedily: make it with sampled=True for sampling values")
+        keys = row_keys([seed], 1, 1) if seed is not None else jax.random.fold_in(self._seed_key, self._ids)[None]
         self._ids += 1
-        self._queue.append(_Request(self._ids, prompt, int(max_new_tokens), sampling))
+        self._queue.append(_Request(self._ids, prompt, int(max_new_tokens), sampling, keys))
         return self._ids
 
     def step(self, max_rounds: int = DEFAULT_ROUNDS) -> list[Event]:
@@ -275,7 +283,7 @@ class Engine:
             tokens, length = pack_prompts([r.prompt], 1, self.num_slots)
             self.state = self._call(
                 insert, self.state, jnp.asarray(tokens), jnp.asarray(length), jnp.asarray([r.max_new], jnp.int32),
-                self._next_key(), self._sampling([r.sampling]), jnp.int32(i),
+                r.keys, self._sampling([r.sampling]), jnp.int32(i),
             )  # fmt: skip
             self._rows[i] = r
 

@@ -41,7 +41,6 @@ from specjax.decoding.batch import (
     is_eos,
     on_mesh,
     prepare_batch,
-    prng_key,
     to_host,
 )
 from specjax.decoding.stats import SpecResult, SpecStats
@@ -50,7 +49,7 @@ from specjax.drafters.tree import MAX_DRAFT_TOKENS, DraftTree, TreeSpec, path_to
 from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, chunk_size, forward_new_kv
-from specjax.sampling import Sampling, sample
+from specjax.sampling import Sampling, sample, split_rows
 from specjax.sharding import get_rows, set_rows
 
 
@@ -67,7 +66,7 @@ class SpecState:
     rounds: jax.Array  # [] loop iterations
     accepted_hist: jax.Array  # [D + 1] row-rounds (of rows still running) that accepted 0..D drafts
     menu_rounds: jax.Array  # [S] rounds of each menu entry
-    key: jax.Array
+    keys_b: jax.Array  # [B] typed PRNG keys: each row's own, split every round
 
 
 @jax.tree_util.register_dataclass
@@ -111,7 +110,7 @@ class Loop:
         return max(shape.capacity for shape in self.shapes)
 
 
-def start(loop: Loop, tokens_up, lengths_u, key, active_b, num_samples: int) -> tuple[SpecState, jax.Array]:
+def start(loop: Loop, tokens_up, lengths_u, keys_b, active_b, num_samples: int) -> tuple[SpecState, jax.Array]:
     """The state after the prefill and its first sampled token; and the rows' prompt lengths.
 
     The drafter commits the prompt chunk by chunk, as the prefill makes the target's taps (`commit` is per position,
@@ -145,8 +144,8 @@ def start(loop: Loop, tokens_up, lengths_u, key, active_b, num_samples: int) -> 
         loop.weights, loop.cfg, tokens_up, lengths_u, cache, num_samples, loop.prefill_chunk, taps, commit_chunk,
         (draft_state, last0),
     )  # fmt: skip
-    key, sub = jax.random.split(key)
-    first = sample(sub, logits_bv, loop.sampling)
+    keys_b, first_keys_b = split_rows(keys_b)
+    first = sample(first_keys_b, logits_bv, loop.sampling)
     tokens_bs = jnp.full((B, num_slots), pad, jnp.int32).at[:, :P].set(tokens_bp)
     tokens_bs = set_rows(tokens_bs, lengths_b, first)
     last_b1f = None if last_bf is None else last_bf[:, None]
@@ -163,7 +162,7 @@ def start(loop: Loop, tokens_up, lengths_u, key, active_b, num_samples: int) -> 
         rounds=jnp.int32(0),
         accepted_hist=jnp.zeros((loop.depth + 1,), jnp.int32),
         menu_rounds=jnp.zeros((len(loop.shapes),), jnp.int32),
-        key=key,
+        keys_b=keys_b,
     )
     return state, lengths_b
 
@@ -174,7 +173,7 @@ def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Arra
     shape, D = loop.shapes[entry], loop.depth
     B, V = s.tokens_bs.shape[0], loop.cfg.vocab_size
     j = jnp.arange(shape.depth + 1)[None, :]
-    key, k_draft, k_accept = jax.random.split(s.key, 3)
+    keys_b, draft_keys_b, accept_keys_b = split_rows(s.keys_b, 3)
 
     # Draft.
     if shape.depth == 0:  # a plain step: the pending token alone, its next token from the target
@@ -183,7 +182,7 @@ def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Arra
         draft_state = s.draft_state
     else:
         draft, draft_state = loop.drafter.propose(
-            s.draft_state, s.tokens_bs, s.length_b, k_draft, shape=shape, vocab_size=V, sampling=loop.sampling
+            s.draft_state, s.tokens_bs, s.length_b, draft_keys_b, shape=shape, vocab_size=V, sampling=loop.sampling
         )
 
     # Verify.
@@ -194,7 +193,7 @@ def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Arra
     )  # fmt: skip
 
     # Accept: n drafts along one path, then the target's token. A chain's path is its nodes 0..n, in place.
-    n, nxt, last = accept(k_accept, draft, logits, loop.sampling)
+    n, nxt, last = accept(accept_keys_b, draft, logits, loop.sampling)
     path_tokens, path_taps = draft.tokens, taps_btf
     if not shape.is_chain:
         path = path_to(draft, last, n, shape.depth)
@@ -222,7 +221,7 @@ def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Arra
         rounds=s.rounds + 1,
         accepted_hist=s.accepted_hist + jnp.sum(jax.nn.one_hot(n, D + 1, dtype=jnp.int32) * running[:, None], axis=0),
         menu_rounds=s.menu_rounds.at[entry].add(1),
-        key=key,
+        keys_b=keys_b,
     )
     pad = D - shape.depth  # every entry's path: D + 1 slots
     k_path, v_path = (jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0), (0, 0)]) for x in (k_new, v_new))
@@ -267,7 +266,7 @@ def speculative_decode(
     tokens_up: jax.Array,
     lengths_u: jax.Array,
     max_new_b: jax.Array,
-    key: jax.Array,
+    keys_b: jax.Array,
     sampling: Sampling,
     active_b: jax.Array | None = None,
     *,
@@ -286,7 +285,7 @@ def speculative_decode(
         plus the menu's deepest draft capacity.
       lengths_u: int32 [U] prompt lengths.
       max_new_b: int32 [B] the most tokens each row generates, at most S - its prompt length (data).
-      key: PRNG key (unused when greedy).
+      keys_b: typed PRNG keys [B], one per row (unused when greedy): a row's draws come from its key alone.
       sampling: the rows' sampling values, applied to target and draft alike (data; only `sampling.greedy` is
         static).
       active_b: optional bool [B]; rows that are False (batch padding) start finished: they generate one token,
@@ -298,7 +297,7 @@ def speculative_decode(
     """
     shapes = tuple(menu_shapes(drafter, policy.menu))
     loop = Loop(weights, drafter, policy, sampling, cfg, shapes, max_new_b, eos_ids, prefill_chunk)
-    state, prompt_lengths_b = start(loop, tokens_up, lengths_u, key, active_b, num_samples)
+    state, prompt_lengths_b = start(loop, tokens_up, lengths_u, keys_b, active_b, num_samples)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), functools.partial(next_round, loop), state)
     return finish(loop, state, prompt_lengths_b)
 
@@ -362,7 +361,7 @@ def generate(
     drafter: Drafter,
     num_draft_tokens: int | Policy,
     max_new_tokens: int | Sequence[int],
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
     eos_ids: Sequence[int] | None = None,
     batch_size: int | None = None,
@@ -384,7 +383,7 @@ def generate(
         (`specjax.measure.calibration.calibrated`): every round picks its draft size from it; where it would pick the
         plain step in every round (`never_drafts`), this is plain decoding.
       max_new_tokens: the most tokens generated per prompt: one for every prompt, or one per prompt.
-      seed: PRNG seed.
+      seed: PRNG seed: one for the request, or one per prompt (as `specjax.decoding.autoregressive.generate`).
       sampling: one setting for every prompt, or one per prompt; greedy by default.
       eos_ids: tokens that end a row; defaults to the config's EOS ids.
       batch_size: compiled prompts per call (>= len(prompts)); extra prompts are padding. Defaults to len(prompts).
@@ -403,9 +402,9 @@ def generate(
             batch_size=batch_size, num_samples=num_samples, prefill_chunk=prefill_chunk,
         )  # fmt: skip
         return as_plain_rounds(plain, policy.menu, max(depths), prefilled_tokens(prompts, prefill_chunk))
-    req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples)
+    req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples, seed)
     args = (weights, drafter, policy, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jnp.asarray(req.max_new),
-            prng_key(seed), req.sampling, jnp.asarray(req.active))  # fmt: skip
+            req.keys, req.sampling, jnp.asarray(req.active))  # fmt: skip
     static = dict(cfg=cfg, eos_ids=req.eos, num_samples=num_samples, prefill_chunk=chunk_size(prefill_chunk))
     args = on_mesh(args)
     executable, compile_seconds = compiled(speculative_decode, args, static)

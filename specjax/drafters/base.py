@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.drafters.tree import DraftTree, TreeSpec
-from specjax.sampling import Sampling, in_target_vocab, probabilities
+from specjax.sampling import Sampling, categorical_rows, in_target_vocab, probabilities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Drafter(Protocol):
         state: Any,
         tokens_bs: jax.Array,
         length_b: jax.Array,
-        key: jax.Array,
+        keys_b: jax.Array,
         *,
         shape: TreeSpec,
         vocab_size: int,
@@ -93,7 +93,7 @@ class Drafter(Protocol):
           state: the drafter's state from `init`, `commit` or the previous proposal.
           tokens_bs: int32 [B, S] committed tokens (slots >= length_b hold stale values).
           length_b: int32 [B] committed tokens per row (>= 2: the prompt plus at least one generated token).
-          key: PRNG key for sampling the drafts.
+          keys_b: the rows' PRNG keys [B] for sampling the drafts; row b draws from keys_b[b] alone.
           shape: static.
           vocab_size: static V of the target (draft distributions are over it, or name their columns' target ids).
           sampling: the rows' values, the same processing the target uses (`specjax.sampling.probabilities`);
@@ -133,7 +133,7 @@ class ChainDrafter:
         state: Any,
         tokens_bs: jax.Array,
         length_b: jax.Array,
-        key: jax.Array,
+        keys_b: jax.Array,
         *,
         num_draft_tokens: int,
         vocab_size: int,
@@ -148,10 +148,10 @@ class ChainDrafter:
         """
         raise NotImplementedError(f"{type(self).__name__} must implement propose_chain")
 
-    def propose(self, state, tokens_bs, length_b, key, *, shape: TreeSpec, vocab_size: int, sampling):
+    def propose(self, state, tokens_bs, length_b, keys_b, *, shape: TreeSpec, vocab_size: int, sampling):
         """The chain of `propose_chain`'s K = shape.depth drafts, as a tree."""
         draft_bk, draft_probs_bkv, state = self.propose_chain(
-            state, tokens_bs, length_b, key, num_draft_tokens=shape.depth, vocab_size=vocab_size, sampling=sampling
+            state, tokens_bs, length_b, keys_b, num_draft_tokens=shape.depth, vocab_size=vocab_size, sampling=sampling
         )
         return DraftTree.chain(pending_tokens(tokens_bs, length_b), draft_bk, draft_probs_bkv), state
 
@@ -167,13 +167,14 @@ def pending_tokens(tokens_bs: jax.Array, length_b: jax.Array) -> jax.Array:
 
 
 def draw(
-    key: jax.Array,
+    keys_b: jax.Array,
     logits_bv: jax.Array,
     sampling: Sampling,
     vocab_ids: jax.Array | None = None,
     vocab_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Draws a token from processed logits [B, ..., V] and returns it with the distribution it was drawn from.
+    """Draws a token from processed logits [B, ..., V] (row b with keys_b[b]; unused when greedy) and returns it with
+    the distribution it was drawn from.
 
     With `vocab_ids` (int32 [Vd], the target id of each logit column) the logits are a draft vocabulary's: the
     processing and the draw run over its Vd columns, and the token and distribution come back in the target's
@@ -189,7 +190,7 @@ def draw(
             token = vocab_ids[token]
         return token, jax.nn.one_hot(token, vocab_size or logits_bv.shape[-1], dtype=jnp.float32)
     probs = probabilities(logits_bv, sampling)
-    token = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+    token = categorical_rows(keys_b, jnp.log(probs))
     if vocab_ids is None:
         return token, probs
     return vocab_ids[token], in_target_vocab(probs, vocab_ids, vocab_size)

@@ -86,10 +86,12 @@ class DFlashDrafter(ChainDrafter):
         )  # fmt: skip
         return draft_logits(self.scored_vd, h)
 
-    def propose_chain(self, cache: KVCache, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling):
+    def propose_chain(
+        self, cache: KVCache, tokens_bs, length_b, keys_b, *, num_draft_tokens: int, vocab_size, sampling
+    ):
         """Rows 1..K of one block: the whole block runs whatever K is (its rows attend to each other)."""
         logits_bkv = self.block_logits(cache, pending_tokens(tokens_bs, length_b), num_draft_tokens)
-        tokens, probs = draw(key, logits_bkv, sampling, self.weights.vocab_ids, vocab_size)
+        tokens, probs = draw(keys_b, logits_bkv, sampling, self.weights.vocab_ids, vocab_size)
         return tokens, probs, cache
 
 

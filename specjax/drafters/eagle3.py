@@ -29,7 +29,7 @@ from specjax.models.attention import slots_below
 from specjax.models.eagle3 import Eagle3Head
 from specjax.models.kv_cache import KVCache
 from specjax.models.quantize import Int8Matrix, embed_rows
-from specjax.sampling import Sampling
+from specjax.sampling import Sampling, split_rows
 from specjax.sharding import constrain, get_rows, mesh_of, set_rows
 
 
@@ -163,11 +163,11 @@ class Eagle3Drafter(ChainDrafter):
         return logits[:, 0], g[:, 0]
 
     def propose_chain(
-        self, state: Eagle3State, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size, sampling
+        self, state: Eagle3State, tokens_bs, length_b, keys_b, *, num_draft_tokens: int, vocab_size, sampling
     ):
         """Chain drafting: draft 1 from the stored logits, then K - 1 cached steps on the head's own output."""
         head = self.head
-        keys = jax.random.split(key, num_draft_tokens)
+        keys = split_rows(keys_b, num_draft_tokens)  # [K, B]: the row keys of each draft step
         c = state.cache.lengths
         logits_bv, g_bd = self.root(state)
         token, probs = _draw(head, keys[0], logits_bv, sampling)
@@ -190,12 +190,12 @@ class Eagle3Drafter(ChainDrafter):
         probs_bkv = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_kbv, 0, 1)], axis=1)
         return tokens_bk, probs_bkv, dataclasses.replace(state, cache=cache)
 
-    def propose(self, state: Eagle3State, tokens_bs, length_b, key, *, shape: TreeSpec, vocab_size, sampling):
+    def propose(self, state: Eagle3State, tokens_bs, length_b, keys_b, *, shape: TreeSpec, vocab_size, sampling):
         """Grows a draft tree (`specjax.drafters.tree`), or drafts a chain without one. Node t >= 1 writes its head KV
         at slot c + t - 1 when expanded."""
         if self.tree is None:
             return super().propose(
-                state, tokens_bs, length_b, key, shape=shape, vocab_size=vocab_size, sampling=sampling
+                state, tokens_bs, length_b, keys_b, shape=shape, vocab_size=vocab_size, sampling=sampling
             )
         pending_b = pending_tokens(tokens_bs, length_b)
         head = self.head
@@ -232,15 +232,15 @@ class Eagle3Drafter(ChainDrafter):
             return logits, (cache, node_out)
 
         tree, (cache, _) = grow_tree(
-            key, pending_b, root_logits_bv, expand, (state.cache, node_out), shape, sampling,
+            keys_b, pending_b, root_logits_bv, expand, (state.cache, node_out), shape, sampling,
             vocab_ids=head.target_ids_of_draft_vocab(),
         )  # fmt: skip
         return tree, dataclasses.replace(state, cache=cache)
 
 
-def _draw(head: Eagle3Head, key: jax.Array, logits_bv: jax.Array, sampling: Sampling):
+def _draw(head: Eagle3Head, keys_b: jax.Array, logits_bv: jax.Array, sampling: Sampling):
     """`draw` from draft-vocabulary logits [B, Vd]: (target id [B], draft_probs [B, V])."""
-    return draw(key, logits_bv, sampling, head.target_ids_of_draft_vocab(), head.cfg.vocab_size)
+    return draw(keys_b, logits_bv, sampling, head.target_ids_of_draft_vocab(), head.cfg.vocab_size)
 
 
 def load_eagle3_drafter(

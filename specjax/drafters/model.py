@@ -18,7 +18,7 @@ from specjax.drafters.base import ChainDrafter, Traits, draw, static_field
 from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Weights, chunk_size, chunked_prefill, forward
-from specjax.sampling import Sampling
+from specjax.sampling import Sampling, split_rows
 
 
 @jax.tree_util.register_dataclass
@@ -34,7 +34,7 @@ def _draft_chain(
     cache: KVCache,
     tokens_bs: jax.Array,
     length_b: jax.Array,
-    key: jax.Array,
+    keys_b: jax.Array,
     num_draft_tokens: int,
     sampling: Sampling,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
@@ -45,7 +45,7 @@ def _draft_chain(
     last_two = jnp.take_along_axis(tokens_bs, slots_b2, axis=1)
     logits, _, cache = forward(weights, cfg, last_two, slots_b2, cache, logits_at=jnp.ones((B, 1), jnp.int32))
     cache = cache.advance(jnp.full((B,), 2))
-    keys = jax.random.split(key, num_draft_tokens)
+    keys = split_rows(keys_b, num_draft_tokens)  # [K, B]: the row keys of each draft step
     token, probs = draw(keys[0], logits[:, 0], sampling)
 
     def step(carry, k):
@@ -91,10 +91,10 @@ class ModelDrafter(ChainDrafter):
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> ModelDraftState:
         return ModelDraftState(_prefill(self.weights, self.cfg, tokens_bp, lengths_b, num_slots))
 
-    def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
+    def propose_chain(self, state, tokens_bs, length_b, keys_b, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `Drafter.propose`."""
         tokens, probs, cache = _draft_chain(
-            self.weights, self.cfg, state.cache, tokens_bs, length_b, key, num_draft_tokens, sampling
+            self.weights, self.cfg, state.cache, tokens_bs, length_b, keys_b, num_draft_tokens, sampling
         )
         return tokens, probs, dataclasses.replace(state, cache=cache)
 
@@ -138,9 +138,9 @@ class LayerSkipDrafter(ChainDrafter):
         weights = dataclasses.replace(self.weights, layers=jax.tree.map(lambda a: a[:n], self.weights.layers))
         return ModelDraftState(_prefill(weights, self.draft_cfg, tokens_bp, lengths_b, num_slots), weights)
 
-    def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
+    def propose_chain(self, state, tokens_bs, length_b, keys_b, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `Drafter.propose`."""
         tokens, probs, cache = _draft_chain(
-            state.weights, self.draft_cfg, state.cache, tokens_bs, length_b, key, num_draft_tokens, sampling
+            state.weights, self.draft_cfg, state.cache, tokens_bs, length_b, keys_b, num_draft_tokens, sampling
         )
         return tokens, probs, dataclasses.replace(state, cache=cache)

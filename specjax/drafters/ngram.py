@@ -49,8 +49,8 @@ class NgramDrafter(ChainDrafter):
         """The length of the tail the next proposal would match (0: none)."""
         return ngram_lookup(tokens_bs, length_b, 1, self.max_n, self.min_n)[1]
 
-    def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
-        """See `ChainDrafter.propose_chain`; `key` and `sampling` are unused (the proposal is deterministic)."""
+    def propose_chain(self, state, tokens_bs, length_b, keys_b, *, num_draft_tokens: int, vocab_size: int, sampling):
+        """See `ChainDrafter.propose_chain`; `keys_b` and `sampling` are unused (the proposal is deterministic)."""
         draft_bk = ngram_proposal(tokens_bs, length_b, num_draft_tokens, self.max_n, self.min_n)
         return draft_bk, jax.nn.one_hot(draft_bk, vocab_size, dtype=jnp.float32), state
 
@@ -146,7 +146,7 @@ class LookupFirstDrafter(ChainDrafter):
     def commit(self, state: Any, next_tokens_bt, taps_btf, count_b) -> Any:
         return self.fallback.commit(state, next_tokens_bt, taps_btf, count_b)
 
-    def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens: int, vocab_size: int, sampling):
+    def propose_chain(self, state, tokens_bs, length_b, keys_b, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `ChainDrafter.propose_chain`."""
         lookup_bk, matched_b = ngram_lookup(tokens_bs, length_b, num_draft_tokens, self.n, self.n)
         lookup_bkv = jax.nn.one_hot(lookup_bk, vocab_size, dtype=jnp.float32)
@@ -156,7 +156,7 @@ class LookupFirstDrafter(ChainDrafter):
 
         def fallback(state):
             draft_bk, probs_bkv, state = self.fallback.propose_chain(
-                state, tokens_bs, length_b, key, num_draft_tokens=k, vocab_size=vocab_size, sampling=sampling
+                state, tokens_bs, length_b, keys_b, num_draft_tokens=k, vocab_size=vocab_size, sampling=sampling
             )
             repeat_bk = jnp.repeat(draft_bk[:, -1:], num_draft_tokens - k, axis=1)
             repeat_bkv = jax.nn.one_hot(repeat_bk, vocab_size, dtype=jnp.float32)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.errors import InputError
-from specjax.sampling import Sampling, probabilities, process_logits
+from specjax.sampling import Sampling, gumbel_rows, probabilities, process_logits, split_rows
 from specjax.sharding import constrain, get_rows, set_rows, top_k_rows
 
 MAX_DRAFT_TOKENS = 32  # the deepest draft a round verifies: a chain's K, a tree's depth
@@ -152,12 +152,12 @@ class DraftTree:
 
 
 def draw_children(
-    key: jax.Array, logits_nv: jax.Array, k: int, sampling: Sampling
+    keys_b: jax.Array, logits_nv: jax.Array, k: int, sampling: Sampling
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """k distinct children per row: greedy top-k, else k draws without replacement (Gumbel-top-k order).
 
     Args:
-      key: PRNG key.
+      keys_b: the rows' PRNG keys [B] (unused when greedy).
       logits_nv: float32 [B, ..., Vd] draft logits over the draft's vocabulary.
       k: static number of children.
       sampling: the same processing as the target.
@@ -170,7 +170,7 @@ def draw_children(
         top, idx = top_k_rows(logp, k)
         return idx.astype(jnp.int32), top, top > -jnp.inf, probabilities(logits_nv, sampling)
     logp = jax.nn.log_softmax(process_logits(logits_nv, sampling), axis=-1)
-    gumbel = jax.random.gumbel(key, logp.shape, jnp.float32)
+    gumbel = gumbel_rows(keys_b, logp.shape[1:])
     _, idx = top_k_rows(jnp.where(logp > -jnp.inf, logp + gumbel, -jnp.inf), k)
     lp = jnp.take_along_axis(logp, idx, axis=-1)
     return idx.astype(jnp.int32), lp, lp > -jnp.inf, jnp.exp(logp)
@@ -180,7 +180,7 @@ ExpandFn = Callable[[DraftTree, jax.Array, jax.Array, Any], tuple[jax.Array, Any
 
 
 def grow_tree(
-    key: jax.Array,
+    keys_b: jax.Array,
     root_token_b: jax.Array,
     root_logits_bv: jax.Array,
     expand: ExpandFn,
@@ -192,7 +192,7 @@ def grow_tree(
     """Grows a draft tree per row (see the module docstring).
 
     Args:
-      key: PRNG key for the draws.
+      keys_b: the rows' PRNG keys [B] for the draws.
       root_token_b: int32 [B] the pending token.
       root_logits_bv: float32 [B, Vd] draft logits after the root, over the draft vocabulary `vocab_ids`.
       expand: `expand(tree, nodes_bf, ok_bf, aux) -> (logits [B, f, Vd], aux)` runs the drafter on nodes (the node's
@@ -209,7 +209,7 @@ def grow_tree(
     if vocab_ids is None:
         vocab_ids = jnp.arange(V, dtype=jnp.int32)
     M, k = spec.grown_nodes(sampling), spec.topk
-    keys = jax.random.split(key, spec.depth)
+    keys = split_rows(keys_b, spec.depth)  # [depth, B]: one set of row keys per growth round
     tree = DraftTree(
         tokens=jnp.zeros((B, M), jnp.int32).at[:, 0].set(root_token_b),
         parents=jnp.zeros((B, M), jnp.int32),
@@ -224,10 +224,10 @@ def grow_tree(
     )
     count_b = jnp.ones((B,), jnp.int32)
 
-    def attach(tree, count_b, key, nodes_bf, ok_bf, logits_bfv):
+    def attach(tree, count_b, keys_b, nodes_bf, ok_bf, logits_bfv):
         f = nodes_bf.shape[1]
         logits_bfv = constrain(logits_bfv, ("batch", None, None))  # each row's whole draft vocabulary, for top-k
-        column, lp, ok_child, probs = draw_children(key, logits_bfv, k, sampling)  # [B, f, k]
+        column, lp, ok_child, probs = draw_children(keys_b, logits_bfv, k, sampling)  # [B, f, k]
         tok = vocab_ids[column]
         n_valid = jnp.sum(ok_child, axis=-1) * ok_bf  # [B, f]: the support, not the draws, sets the group size
         before = jnp.cumsum(n_valid, axis=1) - n_valid

@@ -196,7 +196,7 @@ def _drafter_state_and_work(
     )
     sampling = Sampling.of(SamplingConfig(), B)
     propose = jax.make_jaxpr(lambda d, *a: d.propose(*a, shape=shape, vocab_size=cfg.vocab_size, sampling=sampling))(
-        drafter, state, jax.ShapeDtypeStruct((B, slots), jnp.int32), lengths, jax.random.key(0)
+        drafter, state, jax.ShapeDtypeStruct((B, slots), jnp.int32), lengths, jax.random.split(jax.random.key(0), B)
     )
     return state, max(_largest_value(commit.jaxpr), _largest_value(propose.jaxpr))
 

@@ -169,11 +169,12 @@ def drafter_timer(
     rows = Sampling.of(sampling, batch)
 
     @jax.jit
-    def one_round(drafter, state, key):
+    def one_round(drafter, state, keys):
         state = drafter.commit(state, tokens[:, :path], jnp.ones((batch, path, taps)), jnp.full((batch,), path - 1))
-        return drafter.propose(state, tokens, lengths + 1, key, shape=shape, vocab_size=cfg.vocab_size, sampling=rows)
+        return drafter.propose(state, tokens, lengths + 1, keys, shape=shape, vocab_size=cfg.vocab_size, sampling=rows)
 
-    return lambda: one_round(drafter, state, jax.random.key(1))
+    keys_b = jax.random.split(jax.random.key(1), batch)
+    return lambda: one_round(drafter, state, keys_b)
 
 
 def median_seconds(fn: Callable[[], Any], reps: int) -> float:
