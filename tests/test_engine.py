@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding import batch
+from specjax.decoding import batch, speculative
 from specjax.decoding.autoregressive import generate
 from specjax.decoding.engine import Engine
 from specjax.drafters import DFlashDrafter, Eagle3Drafter, LookupFirstDrafter, NgramDrafter
@@ -74,6 +74,32 @@ def test_greedy_output_through_refilled_slots_equals_each_prompt_alone(name):
     assert engine.slot_rounds["running"] > 0
     if name != "plain":
         assert engine.state.accepted_hist[1:].sum() > 0  # drafts were accepted, some rows more than others
+
+
+@pytest.mark.parametrize("name", ["plain", "eagle3 tree"])
+def test_a_seeded_request_samples_the_same_tokens_whoever_shares_the_slots(name):
+    """Temperature 1 (the tree's drafts sampled too): each request's tokens, by its own seed, are those it gets
+    alone: from `speculative.generate([prompt], seed=[seed])` with the drafter (the same loop, no engine), from a
+    one-slot engine for plain decoding (whose rounds split their keys as the speculative loop does, not as
+    `generate`'s steps)."""
+    hot = SamplingConfig(temperature=1.0)
+    drafter = DRAFTERS[name]()
+    shared = Engine(WEIGHTS, CFG, drafter=drafter, num_draft_tokens=3, slots=2, max_context=64, sampled=True)
+    alone = Engine(WEIGHTS, CFG, drafter=drafter, num_draft_tokens=3, slots=1, max_context=64, sampled=True)
+    work = requests(6, seed=11)
+    ids = {shared.submit(p, n, hot, seed=100 + i): (p, n, 100 + i) for i, (p, n) in enumerate(work)}
+    done = {e.request: e.completion for e in shared.events(max_rounds=2) if e.completion is not None}
+    for i, (prompt, limit, seed) in ids.items():
+        if drafter is None:
+            expected = alone.generate([prompt], limit, hot, seeds=[seed])[0].output_ids
+        else:
+            expected = speculative.generate(
+                WEIGHTS, CFG, [prompt], drafter=drafter, num_draft_tokens=3, max_new_tokens=limit, sampling=hot,
+                seed=[seed],
+            ).completions[0].output_ids  # fmt: skip
+        assert done[i].output_ids == expected, (prompt, seed)
+    greedy = [generate(WEIGHTS, CFG, [p], max_new_tokens=n).completions[0].output_ids for p, n in work]
+    assert [done[i].output_ids for i in ids] != greedy  # sampling, not greedy decoding
 
 
 def test_a_stream_of_requests_compiles_three_programs_and_static_batches_idle_more():

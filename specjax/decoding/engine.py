@@ -147,7 +147,7 @@ class Engine:
         temperature 0 is greedy inside it).
       eos_ids: tokens that end a row; defaults to the config's EOS ids.
       prefill_chunk: prompt tokens per prefill forward; defaults to the platform's.
-      seed: where a request gives no seed of its own, request i's key is fold_in(key(seed), i).
+      seed: where a request gives no seed of its own, request i's key is folded from this seed's and i.
       refill: False: a new request waits until every slot is free (static batches, for comparison).
     """
 
@@ -297,12 +297,18 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | Sequence[int],
         sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
+        seeds: Sequence[int] | None = None,
     ) -> list[Completion]:
-        """Decodes the prompts through the slots; their completions in prompt order."""
+        """Decodes the prompts through the slots (`seeds`: one per prompt, or none); their completions in prompt
+        order."""
         limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         settings = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) else list(sampling)
-        if not len(limits) == len(settings) == len(prompts):
-            raise InputError(f"give one max_new_tokens and one sampling setting, or one per prompt ({len(prompts)})")
-        ids = [self.submit(p, n, s) for p, n, s in zip(prompts, limits, settings)]
+        seeds = [None] * len(prompts) if seeds is None else list(seeds)
+        if not len(limits) == len(settings) == len(seeds) == len(prompts):
+            raise InputError(
+                f"give one max_new_tokens and one sampling setting, or one per prompt, and a seed per prompt or none "
+                f"({len(prompts)} prompts)"
+            )
+        ids = [self.submit(*request) for request in zip(prompts, limits, settings, seeds)]
         done = {e.request: e.completion for e in self.events() if e.completion is not None}
         return [done[i] for i in ids]
