@@ -23,6 +23,7 @@ LAYERS = [
     "specjax.adaptive",
     "specjax.decoding",
     "specjax.measure",
+    "specjax.serving",
     "specjax.train",
     "specjax",
     "specjax.cli",
@@ -104,5 +105,5 @@ def test_only_specjax_is_installed_and_the_scripts_live_in_its_cli():
     dist = distribution("specjax")
     assert dist.read_text("top_level.txt").split() == ["specjax"]
     scripts = {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"}
-    assert set(scripts) == {"specjax-generate", "specjax-bench", "specjax-train"}
+    assert set(scripts) == {"specjax-generate", "specjax-bench", "specjax-train", "specjax-serve"}
     assert all(value.startswith("specjax.cli.") for value in scripts.values())

@@ -183,13 +183,16 @@ class Engine:
         )  # fmt: skip
         self.model = on_mesh((weights, drafter, policy))
         self._seed_key = row_keys([seed], 1, 1)[0]
-        tokens = jnp.zeros((slots, self.num_slots), jnp.int32)
-        self.state = self._call(
-            empty_state, tokens, row_keys([seed] * slots, slots, slots), self._sampling([SamplingConfig()] * slots)
-        )
-        self._queue: collections.deque[_Request] = collections.deque()
-        self._rows: list[_Request | None] = [None] * slots
         self._ids = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Every slot free and nothing queued (request ids go on counting)."""
+        tokens = jnp.zeros((self.slots, self.num_slots), jnp.int32)
+        keys = row_keys([0] * self.slots, self.slots, self.slots)
+        self.state = self._call(empty_state, tokens, keys, self._sampling([SamplingConfig()] * self.slots))
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._rows: list[_Request | None] = [None] * self.slots
         self.slot_rounds = collections.Counter()  # {"running": row-rounds of live rows, "idle": of free slots}
 
     def _call(self, fn, *args):
@@ -271,6 +274,20 @@ class Engine:
                 self._rows[i] = None
             events.append(Event(r.id, new, completion))
         return events
+
+    def cancel(self, request: int) -> bool:
+        """Drops a queued request, or ends a running one and frees its slot (its row finishes where it is). Whether
+        the request was still there."""
+        for r in self._queue:
+            if r.id == request:
+                self._queue.remove(r)
+                return True
+        for i, r in enumerate(self._rows):
+            if r is not None and r.id == request:
+                self.state = dataclasses.replace(self.state, done_b=self.state.done_b.at[i].set(True))
+                self._rows[i] = None
+                return True
+        return False
 
     def _fill(self) -> None:
         free = [i for i, r in enumerate(self._rows) if r is None]

@@ -1,0 +1,80 @@
+"""specjax-serve: an OpenAI-compatible HTTP server (completions, chat completions, streaming) over the refilling
+engine, with any drafter."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import uvicorn
+
+from specjax.cli import common as cli
+from specjax.config import SamplingConfig
+from specjax.decoding.engine import Engine
+from specjax.drafters import SPEC_HELP, drafter_from_spec
+from specjax.drafters.tree import TreeSpec
+from specjax.errors import InputError
+from specjax.host import status
+from specjax.io.loading import load_model
+from specjax.serving import build_app
+from specjax.sharding import mesh_of
+
+
+def parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog="specjax-serve", description=__doc__)
+    cli.add_model_args(p, batch_default="8")
+    p.add_argument("--drafter", default="none", help=f"speculative drafter: {SPEC_HELP}")
+    p.add_argument(
+        "--num-draft-tokens", type=cli.draft_tokens, default="auto",
+        help="K, draft tokens per round (with --drafter); 'auto': adaptive drafting from this machine's costs",
+    )  # fmt: skip
+    p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,BUDGET", help="with --drafter eagle3:PATH: a tree")
+    p.add_argument(
+        "--max-context", type=cli.integer, default=None,
+        help="the longest prompt + max_tokens a request may ask for (default: the model's length, at most 4096)",
+    )  # fmt: skip
+    p.add_argument("--served-model-name", default=None, help="the model id clients name (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=cli.integer, default=8000)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    cli.check_positive("--batch-size", args.batch_size)
+    cli.check_positive("--prefill-chunk", args.prefill_chunk)
+    if args.prompt or args.prompts_file:
+        raise InputError("specjax-serve takes its prompts over HTTP: leave out --prompt and --prompts-file")
+    model = cli.load_target(args)
+    context = args.max_context or min(model.cfg.max_position_embeddings, 4096)
+    if not 1 <= context <= model.cfg.max_position_embeddings:
+        raise InputError(f"--max-context must be in 1..{model.cfg.max_position_embeddings}, got {context}")
+    tree = TreeSpec.parse(args.tree) if args.tree is not None else None
+
+    def load_draft(path: str):
+        draft = load_model(path, model.weights.embed.dtype, mesh_of(model.weights))
+        return draft.cfg, draft.weights
+
+    drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=load_draft, tree=tree)
+    slots = args.batch_size or 8
+    drafter, k = cli.fixed_drafting(model, drafter, args.num_draft_tokens, None)
+    cli.check_memory(cli.memory_plan_at(model, drafter, k, context // 2, context - context // 2, args.prefill_chunk),
+                     slots)  # fmt: skip
+    if k == "auto" and drafter is not None:
+        k = cli.adaptive_drafting(model, drafter, SamplingConfig(temperature=1.0), slots)
+    engine = Engine(
+        model.weights, model.cfg, drafter=drafter, num_draft_tokens=k if drafter is not None else 1, slots=slots,
+        max_context=context, sampled=True, eos_ids=model.eos_ids, prefill_chunk=args.prefill_chunk,
+    )  # fmt: skip
+    name = args.served_model_name or args.model
+    status(f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots of {engine.num_slots} tokens)")
+    app = build_app(engine, model.tokenizer, name, default_max_tokens=args.max_new_tokens)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+def entry(argv: Sequence[str] | None = None) -> None:
+    cli.prefer_onednn_dots()
+    cli.run(main, "specjax-serve", argv)
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,186 @@
+"""specjax-serve's app, started by the test on 127.0.0.1 and called with the official `openai` client: completions and
+chat, streamed and not, greedy text equal to plain decoding, stop strings, 16 concurrent clients, a client gone
+mid-stream, malformed and out-of-range requests; afterwards the server still answers and every slot is free."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import uvicorn
+
+from specjax.decoding.autoregressive import generate
+from specjax.decoding.engine import Engine
+from specjax.drafters import NgramDrafter
+from specjax.io.loading import tiny_random_model
+from specjax.serving import build_app
+
+MODEL = tiny_random_model()
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = Engine(MODEL.weights, MODEL.cfg, drafter=NgramDrafter(), num_draft_tokens=3, slots=4, max_context=256,
+                    sampled=True, eos_ids=MODEL.eos_ids)  # fmt: skip
+    app = build_app(engine, MODEL.tokenizer, NAME)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}"
+    yield base, engine
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def greedy_text(ids: list[int], n: int) -> str:
+    out = generate(MODEL.weights, MODEL.cfg, [ids], max_new_tokens=n, eos_ids=MODEL.eos_ids).completions[0]
+    return MODEL.tokenizer.decode(out.output_ids)
+
+
+def post(base: str, path: str, data: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_completions_and_chat_streamed_or_not_give_plain_greedy_text(server):
+    base, engine = server
+    api = client(base)
+    assert [m.id for m in api.models.list().data] == [NAME]
+    prompt = "def add(a, b):"
+    expected = greedy_text(MODEL.tokenizer.encode(prompt, add_special_tokens=True), 12)
+    done = api.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    assert done.choices[0].text == expected and done.usage.completion_tokens <= 12
+    streamed = api.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected
+
+    messages = [{"role": "user", "content": "Name three rivers."}]
+    expected = greedy_text(MODEL.tokenizer.chat_prompt_ids("Name three rivers."), 10)
+    chat = api.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    assert chat.choices[0].message.content == expected and chat.choices[0].message.role == "assistant"
+    chunks = api.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+
+    stop = expected[3:6]  # a stop string inside the greedy text: the text ends before it
+    cut = api.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == expected[: expected.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+    seeded = [api.completions.create(model=NAME, prompt=prompt, max_tokens=8, seed=7).choices[0].text for _ in "ab"]
+    assert seeded[0] == seeded[1]  # temperature 1 by default; one seed, one text
+
+
+def test_sixteen_concurrent_clients_and_one_gone_mid_stream_leave_every_slot_free(server):
+    base, engine = server
+    api = client(base)
+
+    def ask(i: int) -> str:
+        reply = api.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=6 + i % 5, seed=i
+        )
+        return reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(16) as pool:
+        assert set(pool.map(ask, range(16))) <= {"stop", "length"}
+
+    def metrics() -> dict[str, float]:
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        return {k: float(v) for k, v in (line.split() for line in lines if not line.startswith("#"))}
+
+    before = metrics()
+    assert before["specjax_requests_total"] >= 16 and before["specjax_generated_tokens_total"] >= 16
+    prompt = "Once upon a time"
+    whole = generate(MODEL.weights, MODEL.cfg, [MODEL.tokenizer.encode(prompt, add_special_tokens=True)],
+                     max_new_tokens=200, eos_ids=MODEL.eos_ids).completions[0]  # fmt: skip
+    assert len(whole.output_ids) == 200  # no EOS: only a cancellation ends it early
+    long = api.completions.create(model=NAME, prompt=prompt, max_tokens=200, stream=True, temperature=0)
+    next(iter(long))  # the first chunk, then the client goes away
+    long.response.close()
+    deadline = time.time() + 60
+    while (engine.busy or engine.queued) and time.time() < deadline:
+        time.sleep(0.1)
+    after = metrics()
+    assert engine.busy == 0 and engine.queued == 0 and after["specjax_busy_slots"] == after["specjax_queue_depth"] == 0
+    assert after["specjax_generated_tokens_total"] - before["specjax_generated_tokens_total"] < 200
+
+
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "a JSON object"),
+        (json.dumps({"model": "gpt-9", "prompt": "Hi"}).encode(), 404, "does not exist"),
+        (json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": -5}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 10**12}).encode(), 400, "context of 256 tokens"),
+        (json.dumps({"model": NAME, "prompt": "word " * 400, "max_tokens": 4}).encode(), 400, "context of 256"),
+        (json.dumps({"model": NAME, "prompt": "Hi", "temperature": "hot"}).encode(), 400, "temperature"),
+        (json.dumps({"model": NAME, "prompt": "Hi", "n": 3}).encode(), 400, "'n' must be 1"),
+        (json.dumps({"model": NAME, "prompt": ""}).encode(), 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_an_openai_error_and_the_server_goes_on(server, body, status, needle):
+    base, engine = server
+    code, reply = post(base, "/v1/completions", body)
+    assert code == status and needle in reply["error"]["message"], reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    with urllib.request.urlopen(base + "/health", timeout=10) as response:
+        assert json.loads(response.read()) == {"status": "ok"}
+    assert engine.busy == 0
+
+
+def test_the_openai_client_raises_its_own_errors(server):
+    api = client(server[0])
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="gpt-9", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context of 256 tokens"):
+        api.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x " * 300}], max_tokens=4)
+
+
+def test_specjax_serve_starts_answers_and_refuses_bad_flags_in_one_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = [sys.executable, "-m", "specjax.cli.serve", "--model", "tiny-random"]
+    bad = subprocess.run([*serve, "--prompt", "Hi"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("leave out --prompt and --prompts-file")
+    flags = ["--drafter", "ngram", "--num-draft-tokens", "2", "--batch-size", "2", "--max-context", "128"]
+    proc = subprocess.Popen([*serve, *flags, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.5)
+        api = client(f"http://127.0.0.1:{port}")
+        reply = api.chat.completions.create(
+            model="tiny-random", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0
+        )
+        assert reply.choices[0].message.content == greedy_text(MODEL.tokenizer.chat_prompt_ids("Hi"), 5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
