@@ -1,12 +1,23 @@
 import os
 
+import jax
 import pytest
 
 from specjax.cli.common import prefer_onednn_dots
+from specjax.decoding import batch
 
 # Tests run on the CPU, in float32, with the XLA setting the decoding tools use (docs/cpu.md).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 prefer_onednn_dots()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Drops a test file's compiled programs after it: a worker runs many files, and their executables would
+    otherwise stay in memory for the whole run."""
+    yield
+    batch._EXECUTABLES.clear()
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")
