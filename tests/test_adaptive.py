@@ -363,17 +363,18 @@ def test_measured_costs_are_checked_by_a_drafting_call_then_follow_the_timed_rou
     assert plain.clock[0] == pytest.approx(step_s * 2**0.5) and np.allclose(plain.cost, menu.cost)  # the unit
 
 
-def test_costs_cached_3x_too_high_still_draft_in_the_first_call_and_move_toward_its_rounds(tmp_path, monkeypatch):
+def test_costs_cached_10x_too_high_still_draft_in_the_first_call_and_move_toward_its_rounds(tmp_path, monkeypatch):
+    """Timed for real: 10x leaves room for a machine that slows down between the calibration and the call."""
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     drafter, kw = NgramDrafter(max_n=2), dict(batch=len(PROMPTS), sampling=SamplingConfig())
     honest = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
     (record,) = tmp_path.glob("calibration/*.json")
     measured = json.loads(record.read_text())
     first, *drafting = measured["value"]["round_s"]
-    measured["value"]["round_s"] = [first] + [3 * s for s in drafting]
+    measured["value"]["round_s"] = [first] + [10 * s for s in drafting]
     record.write_text(json.dumps(measured))
     menu = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
-    assert menu.menu == honest.menu and menu.cost[-1] > 2 * honest.cost[-1]
+    assert menu.menu == honest.menu and menu.cost[-1] > 5 * honest.cost[-1]
     out = spec.generate(
         WEIGHTS, CFG, PROMPTS, drafter=drafter, num_draft_tokens=menu, max_new_tokens=MAX_NEW, eos_ids=()
     )
