@@ -30,9 +30,10 @@ demo: venv
 	$(BIN)/specjax-generate --drafter eagle3:smollm2-135m --tree 5,3,10 --compare-ar --prompt "$(PROMPT)" \
 		--max-new-tokens 128
 
-# Two workers, each taking whole test files (module fixtures are built once): compilation is single-threaded.
+# Two workers, each taking whole test files (module fixtures are built once): compilation is single-threaded. The
+# slowest tests are listed at the end, to keep the suite within its time.
 test: dev
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=25
 
 lint: dev
 	$(BIN)/ruff check specjax tests scripts

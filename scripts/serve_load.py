@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import openai
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,21 +27,9 @@ from specjax.drafters import drafter_from_spec  # noqa: E402
 from specjax.evalsets import chat_prompts  # noqa: E402
 from specjax.host import machine  # noqa: E402
 from specjax.io.loading import load_model  # noqa: E402
-from specjax.serving import build_app  # noqa: E402
+from specjax.serving import build_app, running_in_thread  # noqa: E402
 
 LEVELS = (1, 4, 16)
-
-
-def started(app) -> tuple[uvicorn.Server, threading.Thread, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}/v1"
 
 
 def level(base: str, clients: int, prompts: list[str], max_tokens: int, requests: int, seconds: float) -> dict:
@@ -92,15 +77,12 @@ def main() -> None:
         drafter = drafter_from_spec(spec, model.weights, model.cfg)
         engine = Engine(model.weights, model.cfg, drafter=drafter, num_draft_tokens=args.num_draft_tokens,
                         slots=args.slots, max_context=1024, sampled=True, eos_ids=model.eos_ids)  # fmt: skip
-        server, thread, base = started(build_app(engine, model.tokenizer, "served", args.max_tokens))
-        level(base, args.slots, prompts, 2, args.slots, args.seconds)  # compiles every program
-        for clients in LEVELS:
-            rows.append(
-                {"drafter": spec, **level(base, clients, prompts, args.max_tokens, args.requests, args.seconds)}
-            )
-            print(rows[-1], file=sys.stderr)
-        server.should_exit = True
-        thread.join()
+        with running_in_thread(build_app(engine, model.tokenizer, "served", args.max_tokens)) as base:
+            level(f"{base}/v1", args.slots, prompts, 2, args.slots, args.seconds)  # compiles every program
+            for clients in LEVELS:
+                row = level(f"{base}/v1", clients, prompts, args.max_tokens, args.requests, args.seconds)
+                rows.append({"drafter": spec, **row})
+                print(rows[-1], file=sys.stderr)
     args.out.write_text(json.dumps({"machine": machine(), "slots": args.slots, "max_tokens": args.max_tokens,
                                     "rows": rows}, indent=1))  # fmt: skip
     print("| drafter | clients | requests | requests/s | p50 (s) | p99 (s) | tokens/s |")

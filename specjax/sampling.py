@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.config import SamplingConfig
 from specjax.errors import InputError
@@ -51,9 +52,9 @@ class Sampling:
         elif not settings or (batch is not None and len(settings) > batch):
             raise InputError(f"{len(settings)} sampling settings for a batch of {batch}")
         rows = list(settings) + [settings[0]] * ((batch or len(settings)) - len(settings))
-        column = lambda name, dtype: jnp.asarray([getattr(s, name) for s in rows], dtype)  # noqa: E731
-        values = dict(temperature=column("temperature", jnp.float32), top_k=column("top_k", jnp.int32),
-                      top_p=column("top_p", jnp.float32))  # fmt: skip
+        column = lambda name, dtype: np.asarray([getattr(s, name) for s in rows], dtype)  # noqa: E731
+        values = dict(temperature=column("temperature", np.float32), top_k=column("top_k", np.int32),
+                      top_p=column("top_p", np.float32))  # fmt: skip
         if batch is None:
             values = {k: v[0] for k, v in values.items()}
         return cls(**values, greedy=all(s.greedy for s in rows))

@@ -16,12 +16,14 @@ import dataclasses
 import json
 import math
 import queue
+import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import numpy as np
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -393,3 +395,22 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, default_max
     )
     app.state.worker = worker
     return app
+
+
+@contextlib.contextmanager
+def running_in_thread(app: Starlette) -> Iterator[str]:
+    """Serves `app` from a thread of this process on 127.0.0.1, on a free port, until the block ends; yields its base
+    URL (for tests and load tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

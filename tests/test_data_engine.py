@@ -62,7 +62,7 @@ def test_a_file_that_is_not_utf8_is_one_clear_error(tmp_path):
         read_conversations(path)
 
 
-def _echo_replies(prompts, sampling, seed):
+def _echo_replies(prompts, sampling, seeds, done):
     """A stand-in target: replies 'ok <number of prompt tokens>' and its end-of-turn token, never cut."""
     return [(TOKENIZER.encode(f"ok {len(p)}") + [TOKENIZER.eos_token_ids[0]], False) for p in prompts]
 
@@ -248,7 +248,7 @@ def test_epochs_set_the_steps_from_the_packed_rows(monkeypatch, tiny, tmp_path, 
 
 def test_a_cut_reply_ends_its_conversation(tiny):
     data = load_config(None, ["data.max_prompt_tokens=512"]).data
-    cut = lambda prompts, sampling, seed: [(tiny.tokenizer.encode("and so on"), True) for _ in prompts]  # noqa: E731
+    cut = lambda prompts, sampling, seeds, done: [(tiny.tokenizer.encode("and so on"), True) for _ in prompts]  # noqa: E731
     samples, counts = data_module.respond(tiny, [read_conversations_from(SHAREGPT)], data, None, seed=0, reply=cut)
     ((ids, mask),) = samples
     assert tiny.tokenizer.decode(ids[mask == 1].tolist()) == "and so on"  # the second user turn never came

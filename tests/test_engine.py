@@ -5,6 +5,8 @@ completion; a handful of programs serve any number of requests; bad requests are
 import random
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -12,12 +14,14 @@ from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import batch, speculative
 from specjax.decoding.autoregressive import generate
 from specjax.decoding.engine import Engine
-from specjax.drafters import DFlashDrafter, Eagle3Drafter, LookupFirstDrafter, NgramDrafter
+from specjax.drafters import DFlashDrafter, Eagle3Drafter, LookupFirstDrafter, ModelDrafter, NgramDrafter
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.models.dflash import DFlashConfig, init_dflash
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
-from specjax.models.llama import init_weights
+from specjax.models.kv_cache import KVCache
+from specjax.models.llama import forward, init_weights
+from specjax.sampling import Sampling, probabilities
 
 # A small vocabulary, so that random drafts are often right and rows accept different numbers of drafts; EOS ends
 # some rows early.
@@ -102,6 +106,37 @@ def test_a_seeded_request_samples_the_same_tokens_whoever_shares_the_slots(name)
     assert [done[i].output_ids for i in ids] != greedy  # sampling, not greedy decoding
 
 
+def test_a_refilled_slot_samples_exactly_the_targets_distribution():
+    """Requests of one prompt share 16 slots with longer requests of other prompts, so nearly every one lands in a
+    slot another request left (its cache, drafter state and policy state behind it). Their first two tokens, drafted
+    by a small model and verified at temperature 1, follow P(t1, t2 | prompt) enumerated from the target."""
+    hot, prompt, samples = SamplingConfig(temperature=1.0), [3, 5], 2048
+    drafter = ModelDrafter(init_weights(CFG, jax.random.key(11), scale=0.5), CFG)
+    engine = Engine(WEIGHTS, CFG, drafter=drafter, num_draft_tokens=2, slots=16, max_context=64, sampled=True)
+    others = requests(samples // 8, seed=3)
+    ids = []
+    for i in range(samples):
+        ids.append(engine.submit(prompt, 2, hot))
+        if i % 8 == 0:
+            engine.submit(*others[i // 8], hot)
+    done = {e.request: e.completion.output_ids for e in engine.events() if e.completion is not None}
+    V = CFG.vocab_size
+    # A row whose first token is EOS ends there: it counts as (EOS, EOS), where the enumeration puts P(t1 = EOS).
+    pairs = np.array([(out + [CFG.eos_token_ids[0]])[:2] for out in (done[i] for i in ids)])
+    empirical = np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).reshape(V, V) / samples
+
+    seqs = jnp.array([prompt + [t] for t in range(V)], jnp.int32)
+    logits, _, _ = forward(WEIGHTS, CFG, seqs, jnp.broadcast_to(jnp.arange(3), (V, 3)), KVCache.empty(CFG, V, 3))
+    probs = np.asarray(probabilities(logits, Sampling.of(hot)), np.float64)  # [t1, position, V]
+    exact = probs[0, 1][:, None] * probs[:, 2]
+    eos = CFG.eos_token_ids[0]
+    exact[eos] = np.eye(V)[eos] * probs[0, 1, eos]
+    bound = 2.0 * 0.5 * np.sum(np.sqrt(2 * exact * (1 - exact) / (np.pi * samples)))  # ~2x sampling noise's TV
+    tv = 0.5 * np.abs(empirical - exact).sum()
+    assert tv < bound, (tv, bound)
+    assert engine.slot_rounds["running"] > 0 and engine.state.accepted_hist[1:].sum() > 0
+
+
 def test_a_stream_of_requests_compiles_three_programs_and_static_batches_idle_more():
     work = requests(12, seed=5)
     prompts, limits = [p for p, _ in work], [n for _, n in work]
@@ -114,10 +149,7 @@ def test_a_stream_of_requests_compiles_three_programs_and_static_batches_idle_mo
                     refill=False)  # fmt: skip
     assert [c.output_ids for c in static.generate(prompts, limits)] == [c.output_ids for c in out]
 
-    def idle_share(engine):
-        return engine.slot_rounds["idle"] / (engine.slot_rounds["idle"] + engine.slot_rounds["running"])
-
-    assert idle_share(refilling) < idle_share(static)
+    assert refilling.idle_share() < static.idle_share()
 
 
 def test_bad_requests_are_refused_in_one_line():

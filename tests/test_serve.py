@@ -6,7 +6,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -14,13 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import uvicorn
 
 from specjax.decoding.autoregressive import generate
 from specjax.decoding.engine import Engine
 from specjax.drafters import NgramDrafter
 from specjax.io.loading import tiny_random_model
-from specjax.serving import build_app
+from specjax.serving import build_app, running_in_thread
 
 MODEL = tiny_random_model()
 NAME = "tiny"
@@ -30,19 +28,8 @@ NAME = "tiny"
 def server():
     engine = Engine(MODEL.weights, MODEL.cfg, drafter=NgramDrafter(), num_draft_tokens=3, slots=4, max_context=256,
                     sampled=True, eos_ids=MODEL.eos_ids)  # fmt: skip
-    app = build_app(engine, MODEL.tokenizer, NAME)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    yield base, engine
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with running_in_thread(build_app(engine, MODEL.tokenizer, NAME)) as base:
+        yield base, engine
 
 
 def client(base: str) -> openai.OpenAI:

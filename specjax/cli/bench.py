@@ -389,10 +389,6 @@ def engine_comparison(
             out = engine.generate(prompts, limits, sampling)
             engines[refill] = (engine, [c.output_ids for c in out], time.perf_counter() - t0)
         tokens = sum(map(len, static_ids))
-
-        def idle(engine: Engine) -> float:
-            return engine.slot_rounds["idle"] / max(1, sum(engine.slot_rounds.values()))
-
         (static_engine, _, static_engine_s), (refilling, refill_ids, refill_s) = engines[False], engines[True]
         rows.append({
             "mode": mode, "prompts": len(prompts), "slots": slots, "tokens": tokens,
@@ -400,7 +396,7 @@ def engine_comparison(
             "static_engine_tokens_per_s": sum(map(len, engines[False][1])) / static_engine_s,
             "refill_tokens_per_s": sum(map(len, refill_ids)) / refill_s,
             "refill_vs_static": (sum(map(len, refill_ids)) / refill_s) / (tokens / static_s),
-            "idle_share_static": idle(static_engine), "idle_share_refill": idle(refilling),
+            "idle_share_static": static_engine.idle_share(), "idle_share_refill": refilling.idle_share(),
             "identical": (refill_ids == static_ids == engines[False][1]) if sampling.greedy else None,
         })  # fmt: skip
     return rows

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Sequence
 
 import jax
-import numpy as np
+from tqdm import tqdm
 
 from specjax.adaptive import Adaptive
 from specjax.cli import common as cli
@@ -88,7 +89,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=load_draft, tree=tree)
     prompt_ids = cli.encode_prompts(tok, prompts, args.raw)
-    eos = model.eos_ids
     samples = args.num_samples
     rows = args.batch_size or (min(samples, 64) if samples > 1 else 8)
     per_call = max(1, min(rows // samples, len(prompts)))  # prompts per batch (more would decode padding rows)
@@ -111,6 +111,41 @@ def main(argv: Sequence[str] | None = None) -> None:
         stream(model, drafter, verified, prompts[0], prompt_ids[0], limits[0], sampling, args)
         return
 
+    if samples == 1 and len(prompts) > 1:  # a stream of requests through slots that refill
+        results = through_engine(model, drafter, verified, prompts, prompt_ids, limits, sampling, batch_size, args)
+    else:
+        results, verified = in_batches(model, drafter, verified, prompts, prompt_ids, limits, sampling, per_call, args)
+    if isinstance(verified, Adaptive):
+        status(f"adaptive drafting, cost of a round after the timed calls: {cli.menu_costs(verified)}")
+    status(compilation_summary())
+    if json_out and speaks:
+        config = {
+            "model": args.model,
+            "source": model.source,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+            "seed": args.seed,
+            "batch_size": batch_size,
+            "raw": args.raw,
+            "drafter": args.drafter,
+            "num_draft_tokens": args.num_draft_tokens if drafter is not None and tree is None else None,
+            "draft_sizes": list(verified.menu) if isinstance(verified, Adaptive) else None,
+            "lookup_tokens": args.lookup_tokens,
+            "tree": args.tree,
+            "num_samples": args.num_samples,
+            "prefill_chunk": chunk_size(args.prefill_chunk),
+        }
+        report = {"config": config, "compilations": compilations(), "results": results}
+        cli.write_results(json_out, json.dumps(report, indent=1, ensure_ascii=False))
+        print(f"wrote {len(results)} results to {json_out}", file=sys.stderr)
+
+
+def in_batches(model, drafter, verified, prompts, prompt_ids, limits, sampling, per_call, args):
+    """Static batches of `per_call` prompts (each of `args.num_samples` rows), one after another; prints each batch's
+    results unless --json. Returns (results, the adaptive menu as the batches left it)."""
+    tok, eos, samples = model.tokenizer, model.eos_ids, args.num_samples
     results = []
     for start in range(0, len(prompts), per_call):
         group = prompt_ids[start : start + per_call]
@@ -160,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "stats": {"new_tokens": n, "seconds": out.seconds, "tokens_per_s": n / out.seconds, **spec_stats},
                 }
             )
-        if speaks and not args.json_out:
+        if jax.process_index() == 0 and not args.json_out:
             for r in results[first:]:
                 s = r["stats"]
                 print(f"\n>>> {r['prompt']}\n{r['text']}")
@@ -177,31 +212,75 @@ def main(argv: Sequence[str] | None = None) -> None:
                         f"[autoregressive, same prompt and run: {s['ar_tokens_per_s']:.1f} tok/s; speedup "
                         f"{s['speedup_vs_ar']:.2f}x{same[s.get('identical_to_ar')]}]"
                     )
-    if isinstance(verified, Adaptive):
-        status(f"adaptive drafting, cost of a round after the timed calls: {cli.menu_costs(verified)}")
-    status(compilation_summary())
-    if json_out and speaks:
-        config = {
-            "model": args.model,
-            "source": model.source,
-            "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature,
-            "top_k": args.top_k,
-            "top_p": args.top_p,
-            "seed": args.seed,
-            "batch_size": batch_size,
-            "raw": args.raw,
-            "drafter": args.drafter,
-            "num_draft_tokens": args.num_draft_tokens if drafter is not None and tree is None else None,
-            "draft_sizes": list(verified.menu) if isinstance(verified, Adaptive) else None,
-            "lookup_tokens": args.lookup_tokens,
-            "tree": args.tree,
-            "num_samples": args.num_samples,
-            "prefill_chunk": chunk_size(args.prefill_chunk),
-        }
-        report = {"config": config, "compilations": compilations(), "results": results}
-        cli.write_results(json_out, json.dumps(report, indent=1, ensure_ascii=False))
-        print(f"wrote {len(results)} results to {json_out}", file=sys.stderr)
+    return results, verified
+
+
+def through_engine(model, drafter, verified, prompts, prompt_ids, limits, sampling, slots: int, args) -> list[dict]:
+    """The prompts through `slots` slots that refill as rows finish (specjax.decoding.engine), under a progress bar;
+    with --compare-ar, again through a plain engine. Prints the results unless --json."""
+    speaks = jax.process_index() == 0
+
+    def decode(drafter, desc):
+        engine = Engine(
+            model.weights, model.cfg, drafter=drafter, num_draft_tokens=verified, slots=slots,
+            max_context=max(len(p) + n for p, n in zip(prompt_ids, limits)), sampled=not sampling.greedy,
+            eos_ids=model.eos_ids, prefill_chunk=args.prefill_chunk, seed=args.seed,
+        )  # fmt: skip
+        ids = [engine.submit(p, n, sampling) for p, n in zip(prompt_ids, limits)]
+        done, t0, compiling = {}, time.perf_counter(), engine.compile_seconds
+
+        def elapsed():  # compilation left out
+            return time.perf_counter() - t0 - (engine.compile_seconds - compiling)
+
+        with tqdm(total=len(ids), desc=desc, unit="prompt", file=sys.stderr, disable=not speaks) as bar:
+            for event in engine.events():
+                if event.completion is not None:
+                    done[event.request] = event.completion, elapsed()
+                    bar.update()
+        seconds = elapsed()
+        return [done[i] for i in ids], sum(len(c.output_ids) for c, _ in done.values()) / seconds, engine
+
+    out, tokens_per_s, engine = decode(drafter, "decode")
+    run_stats = {"slots": slots, "tokens_per_s": tokens_per_s, "idle_slot_share": engine.idle_share()}
+    if drafter is not None:
+        run_stats["mean_accepted"], run_stats["acceptance_by_position"] = acceptance(engine.state.accepted_hist)
+        if args.compare_ar:
+            ar, run_stats["ar_tokens_per_s"], _ = decode(None, "autoregressive")
+            run_stats["speedup_vs_ar"] = tokens_per_s / run_stats["ar_tokens_per_s"]
+            if sampling.greedy:
+                run_stats["identical_to_ar"] = [c.output_ids for c, _ in ar] == [c.output_ids for c, _ in out]
+    results = [
+        {
+            "prompt": prompt,
+            "prompt_ids": c.prompt_ids,
+            "output_ids": c.output_ids,
+            "text": model.tokenizer.decode(c.output_ids),
+            "finish_reason": c.finish_reason,
+            # `seconds`: from the start of the run to this prompt's last token; the rest is the run's.
+            "stats": {
+                "new_tokens": len(c.output_ids),
+                "seconds": t,
+                "tokens_per_s": len(c.output_ids) / t,
+                **run_stats,
+            },
+        }  # fmt: skip
+        for prompt, (c, t) in zip(prompts, out)
+    ]
+    if speaks and not args.json_out:
+        for r in results:
+            print(f"\n>>> {r['prompt']}\n{r['text']}\n[{r['stats']['new_tokens']} tokens, {r['finish_reason']}]")
+        accepted = f", mean accepted length {run_stats['mean_accepted']:.2f}" if drafter is not None else ""
+        print(
+            f"[{len(results)} prompts through {slots} slots that refill: {tokens_per_s:.1f} tok/s{accepted}; slots "
+            f"idle {run_stats['idle_slot_share']:.0%} of the time]"
+        )
+        if "speedup_vs_ar" in run_stats:
+            same = {True: ", identical output", False: ", different output", None: ""}
+            print(
+                f"[autoregressive, same prompts and slots: {run_stats['ar_tokens_per_s']:.1f} tok/s; speedup "
+                f"{run_stats['speedup_vs_ar']:.2f}x{same[run_stats.get('identical_to_ar')]}]"
+            )
+    return results
 
 
 def stream(model, drafter, num_draft_tokens, prompt: str, ids: list[int], limit: int, sampling, args) -> None:
@@ -222,7 +301,7 @@ def stream(model, drafter, num_draft_tokens, prompt: str, ids: list[int], limit:
             shown = text
         completion = event.completion or completion
     print(model.tokenizer.decode(out)[len(shown) :])
-    mean_accepted, _ = acceptance(np.asarray(engine.state.accepted_hist))
+    mean_accepted, _ = acceptance(engine.state.accepted_hist)
     accepted = f", mean accepted length {mean_accepted:.2f}" if drafter is not None else ""
     print(f"[{len(out)} tokens, {completion.finish_reason}{accepted}]")
 

@@ -139,16 +139,16 @@ def row_keys(seed: int | Sequence[int], num_prompts: int, batch: int, num_sample
     is an integer in 0..2**63-1. Raises InputError.
     """
     if isinstance(seed, numbers.Integral) or isinstance(seed, (str, bytes)) or not isinstance(seed, Iterable):
-        prompt_keys = _fold_in_each(jax.random.key(_checked_seed(seed))[None], batch)[0]
+        prompt_keys = _fold_in_each(jax.random.key(checked_seed(seed))[None], batch)[0]
     else:
-        seeds = [_checked_seed(s) for s in seed]
+        seeds = [checked_seed(s) for s in seed]
         if len(seeds) != num_prompts:
             raise InputError(f"{len(seeds)} seeds for {num_prompts} prompts; give one, or one per prompt")
         prompt_keys = jnp.stack([jax.random.key(s) for s in seeds + seeds[:1] * (batch - num_prompts)])
     return _fold_in_each(prompt_keys, num_samples).reshape(-1)
 
 
-def _checked_seed(seed) -> int:
+def checked_seed(seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < SEED_END:
         raise InputError(f"seed must be an integer in 0..2**63-1 (or a sequence of them, one per prompt), got {seed!r}")
     return int(seed)

@@ -26,7 +26,16 @@ import numpy as np
 from specjax.adaptive import Fixed, Policy, menu_shapes
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import speculative
-from specjax.decoding.batch import Completion, compiled, num_slots, on_mesh, pack_prompts, row_keys, to_host
+from specjax.decoding.batch import (
+    Completion,
+    checked_seed,
+    compiled,
+    num_slots,
+    on_mesh,
+    pack_prompts,
+    row_keys,
+    to_host,
+)
 from specjax.drafters.base import ChainDrafter, Drafter
 from specjax.errors import InputError
 from specjax.models.llama import Weights, chunk_size
@@ -80,11 +89,13 @@ def empty_state(weights, drafter, policy, tokens_bs, keys_b, sampling, *, cfg, e
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
 def insert(
-    weights, drafter, policy, state, tokens_1s, length_1, max_new_1, keys_1, sampling_1, row, *, cfg, eos_ids,
-    prefill_chunk,
+    weights, drafter, policy, state, tokens_1s, length_1, max_new_1, key_data_1, fold_1, sampling_1, row, *, cfg,
+    eos_ids, prefill_chunk,
 ):  # fmt: skip
     """`state` with slot `row` holding a new request: its prompt [1, S] of `length_1` tokens prefilled into a fresh
-    row (cache, drafter and policy state), which draws from its key `keys_1` [1] from then on."""
+    row (cache, drafter and policy state), which draws from its key, `fold_in(key_data_1, fold_1)` [1], from then on.
+    """
+    keys_1 = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_1), fold_1)
     loop = _loop(weights, drafter, policy, sampling_1, max_new_1, cfg, eos_ids, prefill_chunk)
     one, _ = speculative.start(loop, tokens_1s, length_1, keys_1, None, 1)
 
@@ -130,7 +141,7 @@ class _Request:
     prompt: list[int]
     max_new: int
     sampling: SamplingConfig
-    keys: jax.Array  # [1]: its row's PRNG key
+    key: tuple[np.ndarray, int]  # its row's PRNG key: fold_in(key data, index)
     streamed: int = 0  # tokens handed out in events so far
 
 
@@ -182,7 +193,9 @@ class Engine:
             prefill_chunk=chunk_size(prefill_chunk),
         )  # fmt: skip
         self.model = on_mesh((weights, drafter, policy))
-        self._seed_key = row_keys([seed], 1, 1)[0]
+        self._seed_key = np.asarray(jax.random.key_data(row_keys([seed], 1, 1)))
+        self._programs = {}
+        self.compile_seconds = 0.0  # spent compiling this engine's programs
         self._ids = 0
         self.reset()
 
@@ -197,12 +210,18 @@ class Engine:
 
     def _call(self, fn, *args):
         args = on_mesh((*self.model, *args))
-        executable, _ = compiled(fn, args, self.static)
-        return executable(*args)
+        if fn not in self._programs:  # each program takes the same shapes on every call
+            self._programs[fn], seconds = compiled(fn, args, self.static)
+            self.compile_seconds += seconds
+        return self._programs[fn](*args)
 
     def _sampling(self, settings: Sequence[SamplingConfig]) -> Sampling:
         sampling = Sampling.of(list(settings), len(settings))
         return dataclasses.replace(sampling, greedy=not self.sampled)
+
+    def idle_share(self) -> float:
+        """The share of slot-rounds so far that slots sat free (rows finished, or nothing queued to refill them)."""
+        return self.slot_rounds["idle"] / max(1, self.slot_rounds["idle"] + self.slot_rounds["running"])
 
     @property
     def queued(self) -> int:
@@ -238,9 +257,12 @@ class Engine:
             raise InputError(f"token id {bad} is outside the model's vocabulary 0..{self.cfg.vocab_size - 1}")
         if not self.sampled and not sampling.greedy:
             raise InputError("this engine decodes greedily: make it with sampled=True for sampling values")
-        keys = row_keys([seed], 1, 1) if seed is not None else jax.random.fold_in(self._seed_key, self._ids)[None]
+        if seed is None:
+            key = self._seed_key, self._ids
+        else:  # generate's key for a prompt with its own seed: fold_in(key(seed), 0)
+            key = np.asarray(jax.random.key_data(jax.random.key(checked_seed(seed))))[None], 0
         self._ids += 1
-        self._queue.append(_Request(self._ids, prompt, int(max_new_tokens), sampling, keys))
+        self._queue.append(_Request(self._ids, prompt, int(max_new_tokens), sampling, key))
         return self._ids
 
     def step(self, max_rounds: int = DEFAULT_ROUNDS) -> list[Event]:
@@ -253,7 +275,7 @@ class Engine:
         max_new = np.array([r.max_new if r else 1 for r in self._rows], np.int32)
         sampling = self._sampling([r.sampling if r else SamplingConfig() for r in self._rows])
         rounds_before = int(self.state.rounds)
-        self.state = self._call(run, self.state, max_new, sampling, jnp.int32(max_rounds))
+        self.state = self._call(run, self.state, max_new, sampling, np.int32(max_rounds))
         tokens, length, num_new, done, rounds = to_host(
             (self.state.tokens_bs, self.state.length_b, self.state.num_new_b, self.state.done_b, self.state.rounds)
         )
@@ -298,9 +320,10 @@ class Engine:
                 return
             r = self._queue.popleft()
             tokens, length = pack_prompts([r.prompt], 1, self.num_slots)
+            key_data, fold = r.key
             self.state = self._call(
-                insert, self.state, jnp.asarray(tokens), jnp.asarray(length), jnp.asarray([r.max_new], jnp.int32),
-                r.keys, self._sampling([r.sampling]), jnp.int32(i),
+                insert, self.state, tokens, length, np.array([r.max_new], np.int32), key_data,
+                np.array([fold], np.int32), self._sampling([r.sampling]), np.int32(i),
             )  # fmt: skip
             self._rows[i] = r
 

@@ -105,7 +105,7 @@ class DataSection:
     max_prompt_tokens: int = 256
     max_new_tokens: int = 256  # response length the target regenerates
     temperature: float = 0.0  # sampling temperature of the regeneration (0 = greedy)
-    batch_size: int = 16  # regeneration batch
+    batch_size: int = 16  # regeneration slots: conversations decoded together, a finished one replaced at once
     seed: int = 0
     source_tokens: int = 0  # answer tokens of standard-library source added as further samples (not regenerated)
 

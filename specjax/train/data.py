@@ -28,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from specjax.config import SamplingConfig
-from specjax.decoding.autoregressive import generate
+from specjax.decoding.engine import Engine
 from specjax.errors import InputError
 from specjax.host import write_file
 from specjax.io.loading import LoadedModel
@@ -128,7 +128,8 @@ def respond(
     data: DataSection,
     sampling: SamplingConfig,
     seed: int,
-    reply: Callable[[list[list[int]], SamplingConfig, int], list[tuple[list[int], bool]]] | None = None,
+    reply: Callable[[list[list[int]], SamplingConfig, list[int], Callable[[int], object]], list[tuple[list[int], bool]]]
+    | None = None,
     progress: Callable[[int], object] = lambda n: None,
 ) -> tuple[list[Sample], collections.Counter]:
     """The samples of a unit of conversations, and counts of what was cut or dropped.
@@ -139,16 +140,26 @@ def respond(
       data: the data section (max_prompt_tokens, max_new_tokens, batch_size, regenerate).
       sampling: the regeneration's sampling settings.
       seed: the unit's seed (sampled responses).
-      reply: (prompts, sampling, seed) -> (reply ids, cut at max_new_tokens) per prompt; default: the target.
-      progress: called with the number of conversations whose first reply is written, batch by batch.
+      reply: (prompts, sampling, a seed per prompt, done) -> (reply ids, cut at max_new_tokens) per prompt, calling
+        done(n) as n replies finish; default: the target, through `data.batch_size` slots that refill.
+      progress: called with the number of conversations whose first reply is written, as they are.
     """
     tok = model.tokenizer
-    eos = model.eos_ids
+    engines = {}
 
-    def target_reply(prompts, sampling, seed):
-        out = generate(model.weights, model.cfg, prompts, max_new_tokens=data.max_new_tokens, sampling=sampling,
-                       seed=seed, eos_ids=eos, batch_size=data.batch_size)  # fmt: skip
-        return [(c.output_ids, c.finish_reason == "length") for c in out.completions]
+    def target_reply(prompts, sampling, seeds, done):
+        if sampling.greedy not in engines:
+            engines[sampling.greedy] = Engine(
+                model.weights, model.cfg, slots=data.batch_size, sampled=not sampling.greedy, eos_ids=model.eos_ids,
+                max_context=min(data.max_prompt_tokens + data.max_new_tokens, model.cfg.max_position_embeddings),
+            )  # fmt: skip
+        engine, out = engines[sampling.greedy], {}
+        ids = [engine.submit(p, data.max_new_tokens, sampling, seed=s) for p, s in zip(prompts, seeds)]
+        for event in engine.events():
+            if event.completion is not None:
+                out[event.request] = event.completion
+                done(1)
+        return [(out[i].output_ids, out[i].finish_reason == "length") for i in ids]
 
     reply = reply or target_reply
     builders = [_Builder(c) for c in conversations]
@@ -164,14 +175,10 @@ def respond(
                 continue
             prompts[i] = prompt
         if data.regenerate:
-            order = sorted(prompts, key=lambda i: len(prompts[i]))  # similar lengths share a batch
-            replies = {}
-            for b in range(0, len(order), data.batch_size):
-                rows = order[b : b + data.batch_size]
-                out = reply([prompts[i] for i in rows], sampling, seed * 1009 + turn * 101 + b)
-                replies.update((i, (ids, cut, tok.decode(ids))) for i, (ids, cut) in zip(rows, out))
-                if turn == 0:
-                    progress(len(rows))
+            rows = sorted(prompts)
+            seeds = [int(content_key({"seed": seed, "turn": turn, "conversation": i})[:15], 16) for i in rows]
+            out = reply([prompts[i] for i in rows], sampling, seeds, progress if turn == 0 else lambda n: None)
+            replies = {i: (ids, cut, tok.decode(ids)) for i, (ids, cut) in zip(rows, out)}
         else:
             replies = {}
             for i, prompt in prompts.items():
