@@ -57,7 +57,9 @@ IN_CI = [pytest.param(n, marks=pytest.mark.slow) if n == "eagle3 chain" else n f
 
 @pytest.mark.parametrize("name", IN_CI)
 def test_greedy_output_through_refilled_slots_equals_each_prompt_alone(name):
-    engine = Engine(WEIGHTS, CFG, drafter=DRAFTERS[name](), num_draft_tokens=3, slots=3, max_context=64)
+    engine = Engine(
+        WEIGHTS, CFG, drafter=DRAFTERS[name](), num_draft_tokens=3, slots=3, max_context=64, prefill_chunk=8
+    )  # prompts of 1 to 4 chunks, prefilled a chunk per round beside running rows
     work = requests(10, seed=len(name))
     rng = random.Random(0)
     ids, completions, streamed = {}, {}, {}
@@ -137,19 +139,33 @@ def test_a_refilled_slot_samples_exactly_the_targets_distribution():
     assert engine.slot_rounds["running"] > 0 and engine.state.accepted_hist[1:].sum() > 0
 
 
-def test_a_stream_of_requests_compiles_three_programs_and_static_batches_idle_more():
+def test_a_stream_of_requests_compiles_five_programs_and_static_batches_idle_more():
     work = requests(12, seed=5)
     prompts, limits = [p for p, _ in work], [n for _, n in work]
     before = batch.compilations()
     refilling = Engine(WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=3, slots=4, max_context=64)
     out = refilling.generate(prompts, limits)
     compiled = {k: n - before.get(k, 0) for k, n in batch.compilations().items() if n != before.get(k, 0)}
-    assert compiled == {"empty_state": 1, "insert": 1, "run": 1}
+    assert compiled == {"empty_state": 1, "begin": 1, "prefill": 1, "insert": 1, "run": 1}
     static = Engine(WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=3, slots=4, max_context=64,
                     refill=False)  # fmt: skip
     assert [c.output_ids for c in static.generate(prompts, limits)] == [c.output_ids for c in out]
 
     assert refilling.idle_share() < static.idle_share()
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_per_round_beside_the_running_rows():
+    engine = Engine(WEIGHTS, CFG, slots=2, max_context=64, prefill_chunk=8, eos_ids=())
+    running = engine.submit([3], 40)
+    engine.step(max_rounds=1)
+    long = engine.submit([2, 3, 4, 5] * 10, 4)  # 5 chunks of 8
+    beside = 0
+    while long not in (events := {e.request: e for e in engine.step()}):
+        assert len(events[running].new_ids) == 1  # one round between two chunks
+        beside += 1
+    assert beside == 4  # chunks 1 to 4, each beside a round; the 5th is inserted and runs
+    alone = generate(WEIGHTS, CFG, [[2, 3, 4, 5] * 10], max_new_tokens=4, eos_ids=()).completions[0].output_ids
+    assert events[long].new_ids == alone[: len(events[long].new_ids)]
 
 
 def test_bad_requests_are_refused_in_one_line():

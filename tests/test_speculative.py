@@ -93,8 +93,8 @@ def test_rows_stop_at_eos_and_limit_independently(ar_batch):
 
 def test_cache_equals_fresh_prefill_and_traces_once(monkeypatch):
     traces = []
-    original = spec.prefill
-    monkeypatch.setattr(spec, "prefill", lambda *a, **k: traces.append(1) or original(*a, **k))
+    original = spec.begin_prefill
+    monkeypatch.setattr(spec, "begin_prefill", lambda *a, **k: traces.append(1) or original(*a, **k))
     spec.speculative_decode.clear_cache()
     sampling = Sampling.of(SamplingConfig(temperature=1.0, top_k=20), 4)
     drafter = DRAFTERS["other_model"]

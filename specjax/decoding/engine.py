@@ -1,15 +1,18 @@
 """Slots that refill: continuous batching on the speculative loop's fixed shapes.
 
 An `Engine` holds one decode state (`SpecState`) of B rows, its slots, of S KV slots each, and a queue of requests.
-Two device programs, each compiled once per (B, S, drafter options, greedy or sampled):
-  insert  prefills one request into one slot: its prompt by chunks into a fresh one-row state (target cache, drafter
-          state, the policy's per-row state, first token), which replaces that row of the batch state;
-  run     rounds of the loop (`speculative.next_round`) until a running row finishes, or `max_rounds` pass.
+Device programs, each compiled once per (B, S, drafter options, greedy or sampled):
+  begin, prefill  a new request's prompt, a few chunks at a time, into a one-row prefill of its own (target cache,
+                  the drafter's commits);
+  insert          its first token sampled and that row (cache, drafter state, the policy's per-row state) written
+                  over a free slot of the batch state;
+  run             rounds of the loop (`speculative.next_round`) until a running row finishes, or `max_rounds` pass.
 Between programs the host streams each row's new tokens, takes finished rows' completions and inserts queued
-requests into the freed slots (JetStream's prefill / insert / generate split). Shapes never change, so nothing
-compiles again as requests come and go. Rows do not interact: a row's tokens depend on its own request alone (its
-prompt, limit and sampling values; sampled rows also on the loop's key), so greedy output equals the prompt decoded
-alone. Plain decoding is the same loop with every round a plain step (`Fixed(0)`, a drafter that never drafts).
+requests into the freed slots (JetStream's prefill / insert / generate split). While rows are running, a new prompt
+is prefilled one chunk per round of theirs, so a long prompt never stalls them for its whole prefill. Shapes never
+change, so nothing compiles again as requests come and go. Rows do not interact: a row's tokens depend on its own
+request alone (its prompt, limit, sampling values and key), so greedy output equals the prompt decoded alone. Plain
+decoding is the same loop with every round a plain step (`Fixed(0)`, a drafter that never drafts).
 """
 
 from __future__ import annotations
@@ -87,17 +90,35 @@ def empty_state(weights, drafter, policy, tokens_bs, keys_b, sampling, *, cfg, e
     return state
 
 
+@functools.partial(jax.jit, static_argnames=STATIC)
+def begin(weights, drafter, policy, tokens_1s, length_1, max_new_1, sampling_1, *, cfg, eos_ids, prefill_chunk):
+    """A new request's prefill before its first chunk: one row, apart from the batch (`speculative.begin_prefill`)."""
+    loop = _loop(weights, drafter, policy, sampling_1, max_new_1, cfg, eos_ids, prefill_chunk)
+    return speculative.begin_prefill(loop, tokens_1s, length_1, 1)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("prefilled",))
+def prefill(
+    weights, drafter, policy, prefilled, tokens_1s, length_1, max_new_1, sampling_1, first, end, *, cfg, eos_ids,
+    prefill_chunk,
+):  # fmt: skip
+    """Chunks `first` to `end` (exclusive) of a new request's prompt [1, S] of `length_1` tokens."""
+    loop = _loop(weights, drafter, policy, sampling_1, max_new_1, cfg, eos_ids, prefill_chunk)
+    return speculative.prefill_chunks(loop, prefilled, tokens_1s, length_1, 1, first, end)
+
+
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
 def insert(
-    weights, drafter, policy, state, tokens_1s, length_1, max_new_1, key_data_1, fold_1, sampling_1, row, *, cfg,
-    eos_ids, prefill_chunk,
+    weights, drafter, policy, state, prefilled, tokens_1s, length_1, max_new_1, key_data_1, fold_1, sampling_1, row,
+    *, cfg, eos_ids, prefill_chunk,
 ):  # fmt: skip
-    """`state` with slot `row` holding a new request: its prompt [1, S] of `length_1` tokens prefilled into a fresh
-    row (cache, drafter and policy state), which draws from its key, `fold_in(key_data_1, fold_1)` [1], from then on.
+    """`state` with slot `row` holding a new request whose every chunk is prefilled: its first token sampled, its
+    fresh row (cache, drafter and policy state) written over the slot. The row draws from its key, `fold_in(key_data_1,
+    fold_1)` [1], from then on.
     """
     keys_1 = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_1), fold_1)
     loop = _loop(weights, drafter, policy, sampling_1, max_new_1, cfg, eos_ids, prefill_chunk)
-    one, _ = speculative.start(loop, tokens_1s, length_1, keys_1, None, 1)
+    one, _ = speculative.after_prefill(loop, prefilled, tokens_1s, length_1, keys_1, None, 1)
 
     def shape_of(rows):
         tokens, lengths = jnp.zeros((rows, tokens_1s.shape[1]), jnp.int32), jnp.ones((rows,), jnp.int32)
@@ -143,6 +164,18 @@ class _Request:
     sampling: SamplingConfig
     key: tuple[np.ndarray, int]  # its row's PRNG key: fold_in(key data, index)
     streamed: int = 0  # tokens handed out in events so far
+
+
+@dataclasses.dataclass
+class _Prefill:
+    """A request being prefilled into a slot, chunk by chunk."""
+
+    request: _Request
+    slot: int
+    inputs: tuple  # its tokens [1, S], length [1], max_new [1], sampling: what every prefill program takes
+    prefilled: tuple  # the one-row prefill so far (device arrays)
+    next_chunk: int
+    chunks: int
 
 
 class Engine:
@@ -206,6 +239,7 @@ class Engine:
         self.state = self._call(empty_state, tokens, keys, self._sampling([SamplingConfig()] * self.slots))
         self._queue: collections.deque[_Request] = collections.deque()
         self._rows: list[_Request | None] = [None] * self.slots
+        self._prefill: _Prefill | None = None
         self.slot_rounds = collections.Counter()  # {"running": row-rounds of live rows, "idle": of free slots}
 
     def _call(self, fn, *args):
@@ -229,8 +263,8 @@ class Engine:
 
     @property
     def busy(self) -> int:
-        """Slots holding a request."""
-        return sum(r is not None for r in self._rows)
+        """Slots holding a request (running, or being prefilled)."""
+        return sum(r is not None for r in self._rows) + (self._prefill is not None)
 
     def submit(
         self,
@@ -272,6 +306,8 @@ class Engine:
         running = [i for i, r in enumerate(self._rows) if r is not None]
         if not running:
             return []
+        if self._prefill is not None:  # a prompt is being prefilled: one round between two of its chunks
+            max_rounds = 1
         max_new = np.array([r.max_new if r else 1 for r in self._rows], np.int32)
         sampling = self._sampling([r.sampling if r else SamplingConfig() for r in self._rows])
         rounds_before = int(self.state.rounds)
@@ -304,6 +340,9 @@ class Engine:
             if r.id == request:
                 self._queue.remove(r)
                 return True
+        if self._prefill is not None and self._prefill.request.id == request:
+            self._prefill = None
+            return True
         for i, r in enumerate(self._rows):
             if r is not None and r.id == request:
                 self.state = dataclasses.replace(self.state, done_b=self.state.done_b.at[i].set(True))
@@ -312,20 +351,35 @@ class Engine:
         return False
 
     def _fill(self) -> None:
-        free = [i for i, r in enumerate(self._rows) if r is None]
-        if not self.refill and len(free) < self.slots:
-            return
-        for i in free:
-            if not self._queue:
+        """Prefills queued requests into free slots: whole while no row runs, else one chunk per call."""
+        if not self.refill and self.busy:
+            return  # static batches: a new batch once every slot is free, prefilled whole
+        while True:
+            running = self.busy - (self._prefill is not None)
+            if self._prefill is None:
+                free = [i for i, r in enumerate(self._rows) if r is None]
+                if not free or not self._queue:
+                    return
+                self._prefill = self._begin(self._queue.popleft(), free[0])
+            p = self._prefill
+            end = p.chunks if not running or not self.refill else p.next_chunk + 1
+            p.prefilled = self._call(prefill, p.prefilled, *p.inputs, np.int32(p.next_chunk), np.int32(end))
+            p.next_chunk = end
+            if end < p.chunks:
                 return
-            r = self._queue.popleft()
-            tokens, length = pack_prompts([r.prompt], 1, self.num_slots)
-            key_data, fold = r.key
+            key_data, fold = p.request.key
+            tokens, length, max_new, sampling = p.inputs
             self.state = self._call(
-                insert, self.state, tokens, length, np.array([r.max_new], np.int32), key_data,
-                np.array([fold], np.int32), self._sampling([r.sampling]), np.int32(i),
+                insert, self.state, p.prefilled, tokens, length, max_new, key_data, np.array([fold], np.int32),
+                sampling, np.int32(p.slot),
             )  # fmt: skip
-            self._rows[i] = r
+            self._rows[p.slot], self._prefill = p.request, None
+
+    def _begin(self, r: _Request, slot: int) -> _Prefill:
+        tokens, length = pack_prompts([r.prompt], 1, self.num_slots)
+        inputs = (tokens, length, np.array([r.max_new], np.int32), self._sampling([r.sampling]))
+        chunks = -(-len(r.prompt) // chunk_size(self.static["prefill_chunk"], self.num_slots))
+        return _Prefill(r, slot, inputs, self._call(begin, *inputs), 0, chunks)
 
     def events(self, max_rounds: int = DEFAULT_ROUNDS) -> Iterator[Event]:
         """Steps until the queue is empty and every slot free, yielding each step's events."""

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from specjax.adaptive import Adaptive, Fixed, Policy, menu_depths, menu_shapes
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.acceptance import accept
-from specjax.decoding.autoregressive import GenerateResult, prefill
+from specjax.decoding.autoregressive import GenerateResult
 from specjax.decoding.autoregressive import generate as plain_generate
 from specjax.decoding.batch import (
     compiled,
@@ -47,10 +47,11 @@ from specjax.decoding.stats import SpecResult, SpecStats
 from specjax.drafters.base import Drafter, pending_tokens
 from specjax.drafters.tree import MAX_DRAFT_TOKENS, DraftTree, TreeSpec, path_to
 from specjax.errors import InputError
+from specjax.models import llama
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import Weights, chunk_size, forward_new_kv
+from specjax.models.llama import Weights, chunk_size, forward_new_kv, num_chunks
 from specjax.sampling import Sampling, sample, split_rows
-from specjax.sharding import get_rows, set_rows
+from specjax.sharding import constrain, get_rows, set_rows
 
 
 @jax.tree_util.register_dataclass
@@ -116,40 +117,69 @@ def start(loop: Loop, tokens_up, lengths_u, keys_b, active_b, num_samples: int) 
     The drafter commits the prompt chunk by chunk, as the prefill makes the target's taps (`commit` is per position,
     as the loop's own commits of each round's path are), rather than once from a [B, S, F] buffer of them, which at
     long contexts would rival the cache. Each row's last prompt position waits, its taps kept, for the token after
-    it: the first sampled one."""
+    it: the first sampled one. The three steps are apart so that a prefill can run a few chunks at a time
+    (`specjax.decoding.engine`)."""
+    prefilled = prefill_chunks(
+        loop, begin_prefill(loop, tokens_up, lengths_u, num_samples), tokens_up, lengths_u, num_samples, 0,
+        num_chunks(lengths_u, chunk_size(loop.prefill_chunk, tokens_up.shape[1])),
+    )  # fmt: skip
+    return after_prefill(loop, prefilled, tokens_up, lengths_u, keys_b, active_b, num_samples)
+
+
+def begin_prefill(loop: Loop, tokens_up, lengths_u, num_samples: int) -> tuple:
+    """A prefill before its first chunk: (logits [U, V], (the drafter's state [B], the last prompt position's taps
+    [B, F] or None), the target's empty cache [U])."""
     U, P = tokens_up.shape
-    B = U * num_samples
-    drafter, taps = loop.drafter, loop.drafter.traits.tap_layers
-    num_slots = P + loop.capacity
-    pad = loop.eos_ids[0] if loop.eos_ids else 0
+    B, taps = U * num_samples, loop.drafter.traits.tap_layers
     tokens_bp, lengths_b = (jnp.repeat(x, num_samples, axis=0) for x in (tokens_up, lengths_u))
     # The barriers keep XLA from constant-folding work over the empty (all-zero) caches.
-    draft_state = jax.lax.optimization_barrier(drafter.init(tokens_bp, lengths_b, num_slots))
-    cache = jax.lax.optimization_barrier(KVCache.empty(loop.cfg, U, num_slots, loop.weights.embed.dtype))
+    draft_state = jax.lax.optimization_barrier(loop.drafter.init(tokens_bp, lengths_b, P + loop.capacity))
+    cache = jax.lax.optimization_barrier(KVCache.empty(loop.cfg, U, P + loop.capacity, loop.weights.embed.dtype))
+    last0 = jnp.zeros((B, len(taps) * loop.cfg.hidden_size), loop.weights.embed.dtype) if taps else None
+    return jnp.zeros((U, loop.cfg.vocab_size), jnp.float32), (draft_state, last0), cache
+
+
+def prefill_chunks(loop: Loop, prefilled: tuple, tokens_up, lengths_u, num_samples: int, first, end) -> tuple:
+    """Prefill chunks `first` to `end` (exclusive) of the prompts, each committed by the drafter as it is made."""
+    U, P = tokens_up.shape
+    C = chunk_size(loop.prefill_chunk, P)
+    tokens_bp, lengths_b = (jnp.repeat(x, num_samples, axis=0) for x in (tokens_up, lengths_u))
 
     def commit_chunk(seen, start, taps_ucf):
         """Commits the chunk's positions but each row's last prompt one, whose taps it keeps."""
         draft_state, last_bf = seen
-        C = chunk_size(loop.prefill_chunk, P)
         taps_bcf = None if taps_ucf is None else jnp.repeat(taps_ucf, num_samples, axis=0)
         next_bc = jnp.take(tokens_bp, start + 1 + jnp.arange(C), axis=1, mode="clip")
         at_b = lengths_b - 1 - start  # the last prompt position, in the chunk
         if taps_bcf is not None:
             here = ((at_b >= 0) & (at_b < C))[:, None]
             last_bf = jnp.where(here, get_rows(taps_bcf, jnp.clip(at_b, 0, C - 1)), last_bf)
-        return drafter.commit(draft_state, next_bc, taps_bcf, jnp.clip(at_b, 0, C)), last_bf
+        return loop.drafter.commit(draft_state, next_bc, taps_bcf, jnp.clip(at_b, 0, C)), last_bf
 
-    last0 = jnp.zeros((B, len(taps) * loop.cfg.hidden_size), loop.weights.embed.dtype) if taps else None
-    logits_bv, (draft_state, last_bf), cache = prefill(
-        loop.weights, loop.cfg, tokens_up, lengths_u, cache, num_samples, loop.prefill_chunk, taps, commit_chunk,
-        (draft_state, last0),
+    tokens_up = constrain(tokens_up, ("batch", None))  # rows over the data axis of a mesh
+    return llama.prefill_chunks(
+        loop.weights, loop.cfg, tokens_up, lengths_u, prefilled, first, end, C, loop.drafter.traits.tap_layers,
+        commit_chunk,
     )  # fmt: skip
+
+
+def after_prefill(loop: Loop, prefilled: tuple, tokens_up, lengths_u, keys_b, active_b, num_samples: int):
+    """The state once every chunk is in: the first token sampled from the last prompt position's logits, and
+    committed; the prompt's N samples given adjacent rows. Returns (state, the rows' prompt lengths)."""
+    U, P = tokens_up.shape
+    B = U * num_samples
+    logits_uv, (draft_state, last_bf), cache = prefilled
+    logits_bv, cache = jnp.repeat(logits_uv, num_samples, axis=0), cache.at_lengths(lengths_u)
+    if num_samples > 1:
+        cache = cache.repeat_rows(num_samples)
+    lengths_b = jnp.repeat(lengths_u, num_samples, axis=0)
+    pad = loop.eos_ids[0] if loop.eos_ids else 0
     keys_b, first_keys_b = split_rows(keys_b)
     first = sample(first_keys_b, logits_bv, loop.sampling)
-    tokens_bs = jnp.full((B, num_slots), pad, jnp.int32).at[:, :P].set(tokens_bp)
+    tokens_bs = jnp.full((B, P + loop.capacity), pad, jnp.int32).at[:, :P].set(jnp.repeat(tokens_up, num_samples, 0))
     tokens_bs = set_rows(tokens_bs, lengths_b, first)
     last_b1f = None if last_bf is None else last_bf[:, None]
-    draft_state = drafter.commit(draft_state, first[:, None], last_b1f, jnp.ones((B,), jnp.int32))
+    draft_state = loop.drafter.commit(draft_state, first[:, None], last_b1f, jnp.ones((B,), jnp.int32))
     depths = [shape.depth for shape in loop.shapes]
     state = SpecState(
         tokens_bs=tokens_bs,

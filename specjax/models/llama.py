@@ -586,7 +586,35 @@ def chunked_prefill(
       lengths_b).
     """
     B, W = tokens_bw.shape
+    carry = (jnp.zeros((B, cfg.vocab_size), jnp.float32), seen, cache)
     chunk = chunk_size(chunk, W)
+    logits_bv, seen, cache = prefill_chunks(
+        weights, cfg, tokens_bw, lengths_b, carry, 0, num_chunks(lengths_b, chunk), chunk, tap_layers, see_chunk
+    )
+    return logits_bv, seen, cache.at_lengths(lengths_b)
+
+
+def num_chunks(lengths_b: jax.Array, chunk: int) -> jax.Array:
+    """Chunks the longest row needs."""
+    return -(-jnp.max(lengths_b) // chunk)
+
+
+def prefill_chunks(
+    weights: Weights,
+    cfg: ModelConfig,
+    tokens_bw: jax.Array,
+    lengths_b: jax.Array,
+    carry: tuple[jax.Array, Any, KVCache],
+    first: jax.Array | int,
+    end: jax.Array | int,
+    chunk: int,
+    tap_layers: tuple[int, ...] = (),
+    see_chunk: Callable[[Any, jax.Array, jax.Array | None], Any] | None = None,
+) -> tuple[jax.Array, Any, KVCache]:
+    """Chunks `first` to `end` (exclusive) of `chunked_prefill`, from `carry` = (logits at the last prompt tokens so
+    far [B, V], `seen`, the cache holding the chunks before `first`): a prefill can be run a few chunks at a time, other
+    work in between. The cache returned holds every slot up to the end of chunk `end - 1`."""
+    B = tokens_bw.shape[0]
     offsets = jnp.arange(chunk, dtype=jnp.int32)
     last_b = lengths_b - 1
 
@@ -602,10 +630,7 @@ def chunked_prefill(
         seen = seen if see_chunk is None else see_chunk(seen, start, taps)
         return logits_bv, seen, cache.at_lengths(jnp.full((B,), start + chunk, jnp.int32))
 
-    logits0 = jnp.zeros((B, cfg.vocab_size), jnp.float32)
-    num_chunks = -(-jnp.max(lengths_b) // chunk)
-    logits_bv, seen, cache = jax.lax.fori_loop(0, num_chunks, run_chunk, (logits0, seen, cache))
-    return logits_bv, seen, cache.at_lengths(lengths_b)
+    return jax.lax.fori_loop(first, end, run_chunk, carry)
 
 
 def head_rows(weights: Weights) -> jax.Array | Int8Matrix:
