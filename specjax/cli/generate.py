@@ -244,6 +244,7 @@ def through_engine(model, drafter, verified, prompts, prompt_ids, limits, sampli
     run_stats = {"slots": slots, "tokens_per_s": tokens_per_s, "idle_slot_share": engine.idle_share()}
     if drafter is not None:
         run_stats["mean_accepted"], run_stats["acceptance_by_position"] = acceptance(engine.state.accepted_hist)
+        run_stats["rounds"] = int(engine.state.rounds)
         if args.compare_ar:
             ar, run_stats["ar_tokens_per_s"], _ = decode(None, "autoregressive")
             run_stats["speedup_vs_ar"] = tokens_per_s / run_stats["ar_tokens_per_s"]

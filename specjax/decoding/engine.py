@@ -227,7 +227,6 @@ class Engine:
         )  # fmt: skip
         self.model = on_mesh((weights, drafter, policy))
         self._seed_key = np.asarray(jax.random.key_data(row_keys([seed], 1, 1)))
-        self._programs = {}
         self.compile_seconds = 0.0  # spent compiling this engine's programs
         self._ids = 0
         self.reset()
@@ -244,10 +243,9 @@ class Engine:
 
     def _call(self, fn, *args):
         args = on_mesh((*self.model, *args))
-        if fn not in self._programs:  # each program takes the same shapes on every call
-            self._programs[fn], seconds = compiled(fn, args, self.static)
-            self.compile_seconds += seconds
-        return self._programs[fn](*args)
+        executable, seconds = compiled(fn, args, self.static)  # on a mesh, once per sharding the state takes
+        self.compile_seconds += seconds
+        return executable(*args)
 
     def _sampling(self, settings: Sequence[SamplingConfig]) -> Sampling:
         sampling = Sampling.of(list(settings), len(settings))
