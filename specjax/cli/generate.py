@@ -207,11 +207,7 @@ def in_batches(model, drafter, verified, prompts, prompt_ids, limits, sampling, 
                     f"{out.new_tokens / out.seconds:.1f} tok/s{accepted}]"
                 )
                 if "speedup_vs_ar" in s:
-                    same = {True: ", identical output", False: ", different output", None: ""}
-                    print(
-                        f"[autoregressive, same prompt and run: {s['ar_tokens_per_s']:.1f} tok/s; speedup "
-                        f"{s['speedup_vs_ar']:.2f}x{same[s.get('identical_to_ar')]}]"
-                    )
+                    print_comparison(s, "same prompt and run")
     return results, verified
 
 
@@ -276,12 +272,17 @@ def through_engine(model, drafter, verified, prompts, prompt_ids, limits, sampli
             f"idle {run_stats['idle_slot_share']:.0%} of the time]"
         )
         if "speedup_vs_ar" in run_stats:
-            same = {True: ", identical output", False: ", different output", None: ""}
-            print(
-                f"[autoregressive, same prompts and slots: {run_stats['ar_tokens_per_s']:.1f} tok/s; speedup "
-                f"{run_stats['speedup_vs_ar']:.2f}x{same[run_stats.get('identical_to_ar')]}]"
-            )
+            print_comparison(run_stats, "same prompts and slots")
     return results
+
+
+def print_comparison(stats: dict, how: str) -> None:
+    """The --compare-ar line: plain decoding's tokens/s, the speedup, and whether the outputs matched."""
+    same = {True: ", identical output", False: ", different output", None: ""}
+    print(
+        f"[autoregressive, {how}: {stats['ar_tokens_per_s']:.1f} tok/s; speedup "
+        f"{stats['speedup_vs_ar']:.2f}x{same[stats.get('identical_to_ar')]}]"
+    )
 
 
 def stream(model, drafter, num_draft_tokens, prompt: str, ids: list[int], limit: int, sampling, args) -> None:
