@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: demo test venv dev bench lint clean
+.PHONY: demo test venv dev bench lint format clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,7 +36,12 @@ test: dev
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=25
 
 lint: dev
-	$(BIN)/ruff check specjax tests scripts
+	$(BIN)/ruff check specjax tests decode train
+	$(BIN)/ruff format --check specjax tests decode train
+
+format: dev
+	$(BIN)/ruff format specjax tests decode train
+	$(BIN)/ruff check --fix specjax tests decode train
 
 clean:
 	rm -rf $(VENV) build *.egg-info

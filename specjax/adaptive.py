@@ -138,9 +138,14 @@ class Adaptive:
             raise InputError(f"the prior acceptance rate must be in [0, 1], got {prior}")
         zeros = jnp.zeros((regimes,), jnp.float32)
         return cls(
-            jnp.asarray(cost, jnp.float32), zeros + prior, zeros, jnp.zeros((2,), jnp.float32),
-            jnp.asarray(clock, jnp.float32), jnp.zeros((len(menu),), jnp.float32), menu,
-        )  # fmt: skip
+            jnp.asarray(cost, jnp.float32),
+            zeros + prior,
+            zeros,
+            jnp.zeros((2,), jnp.float32),
+            jnp.asarray(clock, jnp.float32),
+            jnp.zeros((len(menu),), jnp.float32),
+            menu,
+        )
 
     @property
     def prices(self) -> jax.Array:

@@ -133,10 +133,16 @@ ROPE_TYPE_FIELDS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": (
-        "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-        "attention_factor", "truncate",
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
     ),
-}  # fmt: skip
+}
 
 
 @dataclasses.dataclass(frozen=True)

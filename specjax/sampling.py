@@ -53,8 +53,11 @@ class Sampling:
             raise InputError(f"{len(settings)} sampling settings for a batch of {batch}")
         rows = list(settings) + [settings[0]] * ((batch or len(settings)) - len(settings))
         column = lambda name, dtype: np.asarray([getattr(s, name) for s in rows], dtype)  # noqa: E731
-        values = dict(temperature=column("temperature", np.float32), top_k=column("top_k", np.int32),
-                      top_p=column("top_p", np.float32))  # fmt: skip
+        values = dict(
+            temperature=column("temperature", np.float32),
+            top_k=column("top_k", np.int32),
+            top_p=column("top_p", np.float32),
+        )
         if batch is None:
             values = {k: v[0] for k, v in values.items()}
         return cls(**values, greedy=all(s.greedy for s in rows))

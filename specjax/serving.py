@@ -256,14 +256,18 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, default_max
                     )
                 ):
                     raise BadRequest("'messages' must be a non-empty list of {role, content} strings", param="messages")
-                text = tokenizer.apply_chat_template([{"role": m["role"], "content": check_text(m["content"])}
-                                                      for m in messages])  # fmt: skip
+                text = tokenizer.apply_chat_template(
+                    [{"role": m["role"], "content": check_text(m["content"])} for m in messages]
+                )
                 return tokenizer.encode(text)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1:
                 prompt = prompt[0]
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in prompt):  # fmt: skip
+            if (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            ):
                 return list(prompt)
             if not isinstance(prompt, str) or not prompt:
                 raise BadRequest("'prompt' must be a non-empty string (or a list of token ids)", param="prompt")

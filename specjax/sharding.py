@@ -90,9 +90,10 @@ def larger_meshes(used: int, devices: int) -> list[dict[str, int]]:
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
     return [
         {"data": d // t, "tensor": t}
-        for d in divisors if d > used
+        for d in divisors
+        if d > used
         for t in reversed([t for t in divisors if d % t == 0])
-    ]  # fmt: skip
+    ]
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -139,9 +140,11 @@ def place(arrays, specs, mesh: Mesh, rules=DEFAULT_RULES):
     """`arrays` on `mesh`, each split by the logical axes of its spec: `specs` is a tree of `arrays`' structure whose
     leaves have `.axes` and `.shape` (e.g. `specjax.models.llama.weight_specs`)."""
     return jax.tree.map(
-        lambda s, x: jax.device_put(x, named_sharding(s.axes, s.shape, mesh, rules)), specs, arrays,
+        lambda s, x: jax.device_put(x, named_sharding(s.axes, s.shape, mesh, rules)),
+        specs,
+        arrays,
         is_leaf=lambda s: hasattr(s, "axes"),
-    )  # fmt: skip
+    )
 
 
 def shard_fraction(axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int]) -> int:

@@ -1,4 +1,7 @@
+import importlib.util
 import os
+from pathlib import Path
+from types import ModuleType
 
 import jax
 import pytest
@@ -9,6 +12,17 @@ from specjax.decoding import batch
 # Tests run on the CPU, in float32, with the XLA setting the decoding tools use (docs/cpu.md).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 prefer_onednn_dots()
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_script(relative: str) -> ModuleType:
+    """A script of the checkout (decode/ or train/) imported as a module, by its path from the repository root."""
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -61,9 +75,17 @@ def save_tiny_llama(smollm2):
 
     def save(folder, num_layers: int, max_len: int = 96):
         cfg = ModelConfig(
-            "llama", tokenizer.vocab_size, 16, 32, num_layers, 2, 1, 8, max_position_embeddings=max_len,
+            "llama",
+            tokenizer.vocab_size,
+            16,
+            32,
+            num_layers,
+            2,
+            1,
+            8,
+            max_position_embeddings=max_len,
             eos_token_ids=(2,),
-        )  # fmt: skip
+        )
         save_hf(folder, cfg, init_weights(cfg, jax.random.key(0)))
         tokenizer.to_folder(folder)
         return cfg

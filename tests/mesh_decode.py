@@ -30,8 +30,16 @@ from specjax.models.dflash import DFlashConfig, init_dflash
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.llama import init_weights
 
-PROMPTS = ["def add(a, b):", "The capital of France", "1, 2, 3, 4,", "Hello", "for i in range(", "a b a b a b",
-           "import numpy as np", "Once upon a time"]  # fmt: skip
+PROMPTS = [
+    "def add(a, b):",
+    "The capital of France",
+    "1, 2, 3, 4,",
+    "Hello",
+    "for i in range(",
+    "a b a b a b",
+    "import numpy as np",
+    "Once upon a time",
+]
 
 
 def build(root: Path) -> dict[str, list[str]]:
@@ -49,9 +57,18 @@ def build(root: Path) -> dict[str, list[str]]:
         return drafters
     tokenizer = tiny_random_model().tokenizer
     cfg = ModelConfig(
-        "llama", tokenizer.vocab_size, 64, 128, 3, 8, 4, 8, max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
-    )  # fmt: skip
+        "llama",
+        tokenizer.vocab_size,
+        64,
+        128,
+        3,
+        8,
+        4,
+        8,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
     save_hf(root / "target", cfg, init_weights(cfg, jax.random.key(0), scale=0.1))
     tokenizer.to_folder(root / "target")
     head_cfg = Eagle3Config.default_for(cfg, draft_vocab_size=512)
@@ -66,8 +83,26 @@ def tokens(root: Path, mesh: str, drafter: list[str], *flags: str) -> list[list[
     out = root / f"out-{mesh}.json"
     out.unlink(missing_ok=True)
     prompts = [arg for p in PROMPTS for arg in ("--prompt", p)]
-    generate(["--model", str(root / "target"), *prompts, "--raw", "--max-new-tokens", "12", "--batch-size", "8",
-              "--num-draft-tokens", "3", "--mesh", mesh, *drafter, "--json", str(out), *flags])  # fmt: skip
+    generate(
+        [
+            "--model",
+            str(root / "target"),
+            *prompts,
+            "--raw",
+            "--max-new-tokens",
+            "12",
+            "--batch-size",
+            "8",
+            "--num-draft-tokens",
+            "3",
+            "--mesh",
+            mesh,
+            *drafter,
+            "--json",
+            str(out),
+            *flags,
+        ]
+    )
     return [r["output_ids"] for r in json.loads(out.read_text())["results"]] if out.exists() else None
 
 

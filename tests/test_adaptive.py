@@ -37,9 +37,16 @@ MENU = (0, 1, 2, 3, 5)
 
 def run(cost, prompts=PROMPTS, prior=0.6, sampling=SamplingConfig(), seed=0):
     return spec.generate(
-        WEIGHTS, CFG, prompts, drafter=NgramDrafter(max_n=2), num_draft_tokens=Adaptive.of(MENU, cost, prior),
-        max_new_tokens=MAX_NEW, eos_ids=(), sampling=sampling, seed=seed,
-    )  # fmt: skip
+        WEIGHTS,
+        CFG,
+        prompts,
+        drafter=NgramDrafter(max_n=2),
+        num_draft_tokens=Adaptive.of(MENU, cost, prior),
+        max_new_tokens=MAX_NEW,
+        eos_ids=(),
+        sampling=sampling,
+        seed=seed,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +106,14 @@ def test_where_drafting_cannot_pay_at_the_prior_plain_decoding_runs_instead_of_t
 def test_a_menu_of_plain_steps_alone_is_plain_decoding(ar_batch):
     """Calibration keeps only plain steps where drafting never pays: plain decoding then runs."""
     result = spec.generate(
-        WEIGHTS, CFG, PROMPTS, drafter=NgramDrafter(max_n=2), num_draft_tokens=Adaptive.of((0,), [1.0]),
-        max_new_tokens=MAX_NEW, eos_ids=(),
-    )  # fmt: skip
+        WEIGHTS,
+        CFG,
+        PROMPTS,
+        drafter=NgramDrafter(max_n=2),
+        num_draft_tokens=Adaptive.of((0,), [1.0]),
+        max_new_tokens=MAX_NEW,
+        eos_ids=(),
+    )
     assert [c.output_ids for c in result.completions] == ar_batch
     assert result.stats.rounds_by_drafts == {0: MAX_NEW - 1}
 
@@ -114,9 +126,14 @@ def test_the_choice_follows_the_measured_acceptance():
 
     def favourite(draft_weights):
         result = spec.generate(
-            WEIGHTS, CFG, PROMPTS, drafter=ModelDrafter(draft_weights, CFG), num_draft_tokens=menu, max_new_tokens=64,
+            WEIGHTS,
+            CFG,
+            PROMPTS,
+            drafter=ModelDrafter(draft_weights, CFG),
+            num_draft_tokens=menu,
+            max_new_tokens=64,
             eos_ids=(),
-        )  # fmt: skip
+        )
         return max(result.stats.rounds_by_drafts.items(), key=lambda kv: kv[1])[0]
 
     assert favourite(WEIGHTS) == 5
@@ -130,8 +147,17 @@ def test_the_cache_is_not_copied_through_the_switch():
     req = prepare_batch(CFG, PROMPTS, MAX_NEW, (), None, SamplingConfig())
 
     def cache_copies(menu: Adaptive) -> int:
-        args = (WEIGHTS, NgramDrafter(max_n=2), menu, jnp.asarray(req.tokens), jnp.asarray(req.lengths),
-                jnp.asarray(req.max_new), req.keys, req.sampling, jnp.asarray(req.active))  # fmt: skip
+        args = (
+            WEIGHTS,
+            NgramDrafter(max_n=2),
+            menu,
+            jnp.asarray(req.tokens),
+            jnp.asarray(req.lengths),
+            jnp.asarray(req.max_new),
+            req.keys,
+            req.sampling,
+            jnp.asarray(req.active),
+        )
         hlo = spec.speculative_decode.lower(*args, cfg=CFG, eos_ids=(), prefill_chunk=64)
         slots = req.tokens.shape[1] + max(menu.menu) + 1  # the cache's: S, and a round's draft
         cache = f"f32[{CFG.num_layers},{len(PROMPTS)},{slots},{CFG.num_kv_heads},{CFG.head_dim}]"
@@ -150,16 +176,30 @@ def test_sampled_output_keeps_the_target_distribution_with_plain_steps_among_the
     menu = Adaptive.of((0, 2), [1.0, 1.9])  # at the prior 0.6 two drafts pay (1.96 / 1.9 > 1); below ~0.58 not
     tokens, lengths = pack_prompts([prompt], 1, toy.max_position_embeddings)
     out = spec.speculative_decode(
-        weights, NgramDrafter(max_n=1), menu, tokens, lengths, np.full(samples, 4, np.int32),
+        weights,
+        NgramDrafter(max_n=1),
+        menu,
+        tokens,
+        lengths,
+        np.full(samples, 4, np.int32),
         jax.random.split(jax.random.key(0), samples),
-        Sampling.of(sampling), cfg=toy, eos_ids=(), num_samples=samples, prefill_chunk=2,
-    )  # fmt: skip
+        Sampling.of(sampling),
+        cfg=toy,
+        eos_ids=(),
+        num_samples=samples,
+        prefill_chunk=2,
+    )
     by_entry = np.asarray(out.state.menu_rounds)
     assert by_entry[0] > 0 and by_entry[1] > 0  # both kinds of round ran
     t1, t2 = np.meshgrid(np.arange(V), np.arange(V), indexing="ij")
     seqs = np.stack([np.full(V * V, prompt[0]), np.full(V * V, prompt[1]), t1.ravel(), t2.ravel()], 1)
-    logits = forward(weights, toy, jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(4), seqs.shape),
-                     KVCache.empty(toy, len(seqs), 4))[0]  # fmt: skip
+    logits = forward(
+        weights,
+        toy,
+        jnp.asarray(seqs, jnp.int32),
+        jnp.broadcast_to(jnp.arange(4), seqs.shape),
+        KVCache.empty(toy, len(seqs), 4),
+    )[0]
     probs = np.asarray(probabilities(logits, Sampling.of(sampling)), np.float64).reshape(V, V, 4, V)
     exact = probs[0, 0, 1][:, None, None] * probs[:, 0, 2][:, :, None] * probs[:, :, 3]
     flat = np.asarray(out.out_bn)[:, :3] @ np.array([V * V, V, 1])
@@ -333,9 +373,12 @@ def timed_call(rounds: dict, seconds: float, evidence=((0.0, 1.0),), plain_steps
     """The statistics `learn` reads of a call that ran `rounds` of each menu entry in `seconds`."""
     stats = SpecStats.from_histogram(sum(rounds.values()), [1], 1, seconds)
     return dataclasses.replace(
-        stats, rounds_by_drafts=rounds, acceptance_evidence=list(evidence), plain_steps=plain_steps,
+        stats,
+        rounds_by_drafts=rounds,
+        acceptance_evidence=list(evidence),
+        plain_steps=plain_steps,
         prompt_tokens=prompt_tokens,
-    )  # fmt: skip
+    )
 
 
 def test_measured_costs_are_checked_by_a_drafting_call_then_follow_the_timed_rounds():

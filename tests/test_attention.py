@@ -66,8 +66,9 @@ def test_blocks_up_to_the_live_length_equal_dense_attention(monkeypatch, block, 
     # A mask given whole, every block read (training's form), on a stacked cache read at a layer.
     mask = rng.random((B, T, S)) < 0.3
     expected = dense(q, k_cache, v_cache, k_new, v_new, mask, tree)
-    stacked = CachedKeys(jnp.stack([k_cache * 0, k_cache]), jnp.stack([v_cache * 0, v_cache]), slots_where(mask),
-                         layer=jnp.int32(1))  # fmt: skip
+    stacked = CachedKeys(
+        jnp.stack([k_cache * 0, k_cache]), jnp.stack([v_cache * 0, v_cache]), slots_where(mask), layer=jnp.int32(1)
+    )
     got = attend(q, k_new, v_new, jnp.asarray(tree), stacked)
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
 
@@ -171,8 +172,16 @@ def test_fused_kernel_on_a_mesh_reads_each_devices_shard():
     assert float(error) <= 1e-5 and gathers == "False", proc.stdout
 
 
-LONG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0)  # fmt: skip
+LONG = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+)
 
 
 @pytest.mark.parametrize("window", [None, 24])
@@ -185,8 +194,10 @@ def test_target_forward_with_the_fused_kernel(monkeypatch, window):
     weights = init_weights(cfg, jax.random.key(0), scale=0.2)
     rng = np.random.default_rng(1)
     cache = KVCache.empty(cfg, 2, 64)
-    cache = KVCache(*(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (cache.k, cache.v)),
-                    jnp.array([20, 50], jnp.int32))  # fmt: skip
+    cache = KVCache(
+        *(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (cache.k, cache.v)),
+        jnp.array([20, 50], jnp.int32),
+    )
     positions = cache.lengths[:, None] + jnp.arange(4)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 4)), jnp.int32)
     loop, _, _, _ = forward_new_kv(weights, cfg, tokens, positions, cache)
@@ -254,9 +265,13 @@ def test_long_context_matches_transformers(config_cls, extra):
             ancestors[i] |= ancestors[p]
     nodes = rng.integers(0, cfg.vocab_size, size=(B, 6))
     logits, _, _, _ = read(
-        weights, cfg, jnp.asarray(nodes), jnp.asarray(lengths[:, None] + depths[None, :]), cache,
+        weights,
+        cfg,
+        jnp.asarray(nodes),
+        jnp.asarray(lengths[:, None] + depths[None, :]),
+        cache,
         new_mask_btt=jnp.asarray(np.broadcast_to(ancestors, (B, 6, 6))),
-    )  # fmt: skip
+    )
     for b in range(B):
         for i in range(6):
             path = nodes[b, np.flatnonzero(ancestors[i])]  # the node's ancestors in depth order, then itself

@@ -26,9 +26,22 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys, caplog, monkeypatch)
 
     monkeypatch.setattr(calibration, "round_seconds", timed)
     prompts = ["Write a function.", "Name three rivers.", "Count to ten.", "Hello!"]
-    argv = ["--model", "tiny-random", "--modes", "ar,ngram,ngram:2,ngram:auto,layerskip", "--max-new-tokens", "12",
-            "--num-draft-tokens", "3", "--draft-layers", "1", "--forward-costs", "1,4",
-            "--out-dir", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--model",
+        "tiny-random",
+        "--modes",
+        "ar,ngram,ngram:2,ngram:auto,layerskip",
+        "--max-new-tokens",
+        "12",
+        "--num-draft-tokens",
+        "3",
+        "--draft-layers",
+        "1",
+        "--forward-costs",
+        "1,4",
+        "--out-dir",
+        str(tmp_path),
+    ]
     for p in prompts:
         argv += ["--prompt", p]
     bench.main(argv)
@@ -94,8 +107,11 @@ def test_context_costs_time_each_long_context_shape_the_model_holds():
     model = dataclasses.replace(tiny, cfg=dataclasses.replace(tiny.cfg, max_position_embeddings=8192))
     rows = bench.context_cost_sweep(model, batch=1)
     assert [(r["tokens"], r["live"], r["slots"], r["tree"]) for r in rows] == [
-        (1, 300, 512, False), (1, 300, 8192, False), (1, 4096, 8192, False), (10, 4096, 8192, True)
-    ]  # fmt: skip
+        (1, 300, 512, False),
+        (1, 300, 8192, False),
+        (1, 4096, 8192, False),
+        (10, 4096, 8192, True),
+    ]
     assert rows[0]["target_steps"] == 1.0 and rows[2]["target_steps"] == 1.0
     assert rows[1]["target_steps"] == pytest.approx(rows[1]["ms"] / rows[0]["ms"])
     assert rows[3]["target_steps"] == pytest.approx(rows[3]["ms"] / rows[2]["ms"]) and all(r["ms"] > 0 for r in rows)
@@ -175,8 +191,22 @@ def test_lookup_first_is_spelled_as_in_generate_and_the_old_spelling_warns(capsy
 
 
 def test_bench_runs_the_chat_set(tmp_path):
-    bench.main(["--model", "tiny-random", "--modes", "ar", "--prompt-set", "chat", "--num-prompts", "2",
-                "--max-new-tokens", "4", "--out-dir", str(tmp_path)])  # fmt: skip
+    bench.main(
+        [
+            "--model",
+            "tiny-random",
+            "--modes",
+            "ar",
+            "--prompt-set",
+            "chat",
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     config = json.loads((tmp_path / "bench.json").read_text())["config"]
     assert config["prompt_set"] == "chat" and config["prompts"] == 2
 

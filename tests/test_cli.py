@@ -135,8 +135,22 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_folder, tmp_path, capsys):
 
 
 def test_the_batch_is_capped_at_the_number_of_prompts(tiny_folder, tmp_path):
-    entry(["--model", str(tiny_folder), "--batch-size", "1000", "--prompt", "a", "--prompt", "b",
-           "--max-new-tokens", "4", "--json", str(tmp_path / "out.json")])  # fmt: skip
+    entry(
+        [
+            "--model",
+            str(tiny_folder),
+            "--batch-size",
+            "1000",
+            "--prompt",
+            "a",
+            "--prompt",
+            "b",
+            "--max-new-tokens",
+            "4",
+            "--json",
+            str(tmp_path / "out.json"),
+        ]
+    )
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["config"]["batch_size"] == 2 and len(report["results"]) == 2
 
@@ -169,8 +183,26 @@ def test_outputs_are_reproducible_with_a_seed(tiny_folder, tmp_path):
 
 
 def test_num_samples_gives_each_prompt_its_samples_in_one_batch(tiny_folder, tmp_path):
-    entry(["--model", str(tiny_folder), "--prompt", "a", "--prompt", "b", "--num-samples", "3", "--temperature", "1",
-           "--batch-size", "6", "--max-new-tokens", "6", "--json", str(tmp_path / "out.json")])  # fmt: skip
+    entry(
+        [
+            "--model",
+            str(tiny_folder),
+            "--prompt",
+            "a",
+            "--prompt",
+            "b",
+            "--num-samples",
+            "3",
+            "--temperature",
+            "1",
+            "--batch-size",
+            "6",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            str(tmp_path / "out.json"),
+        ]
+    )
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["config"]["batch_size"] == 6
     assert [r["prompt"] for r in report["results"]] == ["a"] * 3 + ["b"] * 3
@@ -228,8 +260,26 @@ def test_many_requests_compile_few_programs_and_decode_as_each_alone(save_tiny_l
         before = batch.compilations()
         out = tmp_path / f"{drafter}.json"
         compare = ["--compare-ar"] if drafter == "ngram" else []  # the same prompts through a plain engine too
-        entry(["--model", str(folder), "--raw", "--prompts-file", str(prompts), "--batch-size", "4", "--drafter",
-               drafter, "--num-draft-tokens", "3", "--prefill-chunk", "32", "--json", str(out), *compare])  # fmt: skip
+        entry(
+            [
+                "--model",
+                str(folder),
+                "--raw",
+                "--prompts-file",
+                str(prompts),
+                "--batch-size",
+                "4",
+                "--drafter",
+                drafter,
+                "--num-draft-tokens",
+                "3",
+                "--prefill-chunk",
+                "32",
+                "--json",
+                str(out),
+                *compare,
+            ]
+        )
         report = json.loads(out.read_text())
         new = {name: n - before.get(name, 0) for name, n in batch.compilations().items()}
         assert report["compilations"] == batch.compilations()
@@ -249,8 +299,13 @@ def test_many_requests_compile_few_programs_and_decode_as_each_alone(save_tiny_l
         lengths = [len(r["prompt_ids"]) for r in results]
         assert min(lengths) <= 8 and max(lengths) > 256
         for line, r in zip(lines, results):
-            alone = generate(model.weights, model.cfg, [r["prompt_ids"]], max_new_tokens=line["max_new_tokens"],
-                             eos_ids=model.eos_ids)  # fmt: skip
+            alone = generate(
+                model.weights,
+                model.cfg,
+                [r["prompt_ids"]],
+                max_new_tokens=line["max_new_tokens"],
+                eos_ids=model.eos_ids,
+            )
             assert r["output_ids"] == alone.completions[0].output_ids
 
 

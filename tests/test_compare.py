@@ -1,12 +1,14 @@
-"""specjax.cli.compare on two real specjax-bench reports: one table row per run and mode, a chart, one-line errors."""
+"""decode/compare.py on two real specjax-bench reports: one table row per run and mode, a chart, one-line errors."""
 
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
-from specjax.cli import compare
+compare = load_script("decode/compare.py")
+
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "bench"
 

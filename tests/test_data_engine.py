@@ -15,9 +15,15 @@ from specjax.train.config import load_config
 from specjax.train.conversations import _messages, read_conversations
 from specjax.train.filters import NearDuplicates, degeneracy_issue, language_issue
 
-SHAREGPT = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi there"},
-                              {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Name a colour."},
-                              {"from": "gpt", "value": "Blue."}]}  # fmt: skip
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi there"},
+        {"from": "gpt", "value": "Hello!"},
+        {"from": "human", "value": "Name a colour."},
+        {"from": "gpt", "value": "Blue."},
+    ]
+}
 MESSAGES = {"messages": [{"role": "user", "content": "One plus one?"}, {"role": "assistant", "content": "Two."}]}
 
 
@@ -110,8 +116,13 @@ def test_the_store_resumes_and_a_larger_run_reuses_the_smaller_runs_shards(tiny,
     real = data_module.respond
     monkeypatch.setattr(data_module, "respond", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
     prompts = _write(tmp_path / "p.jsonl", [{"prompt": f"Question number {i} about rivers?"} for i in range(14)])
-    base = [f"data.prompts={prompts}", "data.eval_prompts=2", "data.max_new_tokens=4", "data.batch_size=4",
-            "data.samples_per_prompt=1"]  # fmt: skip
+    base = [
+        f"data.prompts={prompts}",
+        "data.eval_prompts=2",
+        "data.max_new_tokens=4",
+        "data.batch_size=4",
+        "data.samples_per_prompt=1",
+    ]
 
     def run(num_prompts, folder):
         data = load_config(None, [*base, f"data.num_prompts={num_prompts}"]).data
@@ -154,8 +165,9 @@ def test_conversations_resembling_evaluation_prompts_are_dropped(tiny, tmp_path)
     humaneval = humaneval_prompts()[0]
     texts = ["Held out?", humaneval, "What is a river delta?", "Name a lake."]
     prompts = _write(tmp_path / "p.jsonl", [{"prompt": t} for t in texts])
-    data = load_config(None, [f"data.prompts={prompts}", "data.eval_prompts=1", "data.num_prompts=2",
-                              "data.max_new_tokens=2"]).data  # fmt: skip
+    data = load_config(
+        None, [f"data.prompts={prompts}", "data.eval_prompts=1", "data.num_prompts=2", "data.max_new_tokens=2"]
+    ).data
     data_module.regenerate(tiny, data, tmp_path / "d", tmp_path / "store", evaluation=[humaneval])
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
     # The dropped conversation's place goes to the next one: the run still trains on data.num_prompts.
@@ -186,8 +198,12 @@ def test_the_chat_set_has_eight_categories_of_twelve():
 
 
 def test_config_rejects_out_of_range_data_engine_values():
-    for override in ("synthesize.top_p=0", "data.samples_per_prompt=-1", "synthesize.temperature=-1",
-                     "synthesize.dedup_threshold=1.5"):  # fmt: skip
+    for override in (
+        "synthesize.top_p=0",
+        "data.samples_per_prompt=-1",
+        "synthesize.temperature=-1",
+        "synthesize.dedup_threshold=1.5",
+    ):
         with pytest.raises(InputError, match=override.split("=")[0]):
             load_config(None, [override])
     assert load_config(None, ["data.prompts=[builtin, synthetic]"]).data.prompt_sources == ("builtin", "synthetic")

@@ -1,4 +1,4 @@
-"""scripts/device_bench.py end to end on the CPU with its shrunk target (--tiny): the JSON and Markdown it writes."""
+"""decode/device_bench.py end to end on the CPU with its shrunk target (--tiny): the JSON and Markdown it writes."""
 
 import importlib.util
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_bench.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "decode" / "device_bench.py"
 
 
 @pytest.fixture()
@@ -20,8 +20,9 @@ def device_bench(monkeypatch):
 
 
 def test_tiny_run_writes_json_and_tables(device_bench, tmp_path, capsys):
-    device_bench.main(["--tiny", "--out-dir", str(tmp_path), "--batches", "1,2", "--context", "16",
-                       "--max-new-tokens", "8"])  # fmt: skip
+    device_bench.main(
+        ["--tiny", "--out-dir", str(tmp_path), "--batches", "1,2", "--context", "16", "--max-new-tokens", "8"]
+    )
     report = json.loads((tmp_path / "llama3-8b.json").read_text())
     assert report["config"]["target"] == "tiny" and report["config"]["bandwidth_bytes_per_s"] == 1e10
     assert [r["tokens"] for r in report["verification"]] == [2, 5] and report["one_step_ms"] > 0

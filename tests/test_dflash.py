@@ -71,9 +71,13 @@ def test_block_forward_matches_the_pytorch_reference(tmp_path):
     lengths = np.asarray(lengths)
     B, P = tokens.shape
     _, taps, _ = forward(
-        TARGET, TARGET_CFG, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(P), (B, P)),
-        KVCache.empty(TARGET_CFG, B, P), tap_layers=CFG.tap_layers,
-    )  # fmt: skip
+        TARGET,
+        TARGET_CFG,
+        jnp.asarray(tokens),
+        jnp.broadcast_to(jnp.arange(P), (B, P)),
+        KVCache.empty(TARGET_CFG, B, P),
+        tap_layers=CFG.tap_layers,
+    )
     # Context: every prompt position but the last, whose token is the block's anchor (pending).
     cache = DRAFT.commit(
         DRAFT.init(tokens, lengths, 16), jnp.asarray(tokens[:, 1:]), taps[:, :-1], jnp.asarray(lengths - 1)
@@ -99,10 +103,18 @@ def test_greedy_identical_to_autoregressive_with_a_fresh_context_cache(k, vocab)
     expected = ar_generate(TARGET, TARGET_CFG, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=()).completions
     tokens, lengths = pack_prompts(PROMPTS, len(PROMPTS), TARGET_CFG.max_position_embeddings)
     out = spec.speculative_decode(
-        TARGET, drafter, Fixed(k), tokens, lengths, np.full(len(PROMPTS), MAX_NEW, np.int32),
+        TARGET,
+        drafter,
+        Fixed(k),
+        tokens,
+        lengths,
+        np.full(len(PROMPTS), MAX_NEW, np.int32),
         jax.random.split(jax.random.key(0), len(PROMPTS)),
-        Sampling.of(SamplingConfig(), len(PROMPTS)), cfg=TARGET_CFG, eos_ids=(), prefill_chunk=4,
-    )  # fmt: skip
+        Sampling.of(SamplingConfig(), len(PROMPTS)),
+        cfg=TARGET_CFG,
+        eos_ids=(),
+        prefill_chunk=4,
+    )
     assert np.asarray(out.out_bn)[:, :MAX_NEW].tolist() == [c.output_ids for c in expected]
     hist = np.asarray(out.state.accepted_hist)
     assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both happened
@@ -133,9 +145,12 @@ def exact_joint(sampling: SamplingConfig) -> np.ndarray:
     seqs = np.stack([np.full(V * V, DIST_PROMPT[0]), np.full(V * V, DIST_PROMPT[1]), t1.ravel(), t2.ravel()], 1)
     B, T = seqs.shape
     logits, _, _ = forward(
-        TARGET, TARGET_CFG, jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(T), (B, T)),
+        TARGET,
+        TARGET_CFG,
+        jnp.asarray(seqs, jnp.int32),
+        jnp.broadcast_to(jnp.arange(T), (B, T)),
         KVCache.empty(TARGET_CFG, B, T),
-    )  # fmt: skip
+    )
     probs = np.asarray(probabilities(logits, Sampling.of(sampling)), np.float64).reshape(V, V, T, V)
     return probs[0, 0, 1][:, None, None] * probs[:, 0, 2][:, :, None] * probs[:, :, 3]
 
@@ -143,10 +158,19 @@ def exact_joint(sampling: SamplingConfig) -> np.ndarray:
 def sampled_joint(sampling: SamplingConfig, drafter, k: int) -> np.ndarray:
     tokens, lengths = pack_prompts([DIST_PROMPT], 1, TARGET_CFG.max_position_embeddings)
     out = spec.speculative_decode(
-        TARGET, drafter, Fixed(k), tokens, lengths, np.full(SAMPLES, 3, np.int32),
-        jax.random.split(jax.random.key(0), SAMPLES), Sampling.of(sampling), cfg=TARGET_CFG, eos_ids=(),
-        num_samples=SAMPLES, prefill_chunk=2,
-    )  # fmt: skip
+        TARGET,
+        drafter,
+        Fixed(k),
+        tokens,
+        lengths,
+        np.full(SAMPLES, 3, np.int32),
+        jax.random.split(jax.random.key(0), SAMPLES),
+        Sampling.of(sampling),
+        cfg=TARGET_CFG,
+        eos_ids=(),
+        num_samples=SAMPLES,
+        prefill_chunk=2,
+    )
     V = TARGET_CFG.vocab_size
     flat = np.asarray(out.out_bn)[:, :3] @ np.array([V * V, V, 1])
     return np.bincount(flat, minlength=V**3).reshape(V, V, V) / SAMPLES

@@ -49,8 +49,9 @@ def draft_index(vocab_ids):
 
 def loss_of(weights, rows, taps, anchors, ok):
     index = draft_index(None if weights.vocab_ids is None else np.asarray(weights.vocab_ids))
-    return block_loss(weights, CFG, TARGET.embed, HEAD_VD, index, rows, taps, jnp.asarray(anchors, jnp.int32),
-                      jnp.asarray(ok), GAMMA)  # fmt: skip
+    return block_loss(
+        weights, CFG, TARGET.embed, HEAD_VD, index, rows, taps, jnp.asarray(anchors, jnp.int32), jnp.asarray(ok), GAMMA
+    )
 
 
 @pytest.mark.parametrize("vocab", [None, [0, 2, 3, 5, 6]])
@@ -76,8 +77,15 @@ def test_block_loss_matches_the_reference_packed_pass(tmp_path, vocab):
     loss, aux = loss_of(weights, rows_of(tokens, loss_mask, np.ones((2, T))), jnp.asarray(taps), anchors, ok)
 
     embed, head = (torch.from_numpy(np.array(w)) for w in (TARGET.embed, HEAD_VD))
-    logits = packed_forward(ref_weights, ref_config, embed, head, torch.from_numpy(taps), torch.from_numpy(tokens),
-                            torch.from_numpy(anchors))  # fmt: skip
+    logits = packed_forward(
+        ref_weights,
+        ref_config,
+        embed,
+        head,
+        torch.from_numpy(taps),
+        torch.from_numpy(tokens),
+        torch.from_numpy(anchors),
+    )
     ids = list(range(CFG.layers.vocab_size)) if vocab is None else vocab
     logp = torch.log_softmax(logits[..., ids].double(), -1).numpy()
     w = loss_weights(CFG.block_size, GAMMA).numpy()

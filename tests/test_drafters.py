@@ -73,9 +73,14 @@ def test_ngram_rows_are_independent_and_probs_are_one_hot():
     drafter = NgramDrafter(max_n=2)
     keys_b = jax.random.split(jax.random.key(0), 3)
     draft, probs, state = drafter.propose_chain(
-        drafter.init(tokens, lengths, 64), jnp.asarray(tokens), jnp.asarray(lengths), keys_b,
-        num_draft_tokens=3, vocab_size=16, sampling=Sampling.of(SamplingConfig(0.7)),
-    )  # fmt: skip
+        drafter.init(tokens, lengths, 64),
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        keys_b,
+        num_draft_tokens=3,
+        vocab_size=16,
+        sampling=Sampling.of(SamplingConfig(0.7)),
+    )
     assert draft.tolist() == [[3, 1, 2], [6, 5, 6], [9, 9, 9]]
     np.testing.assert_array_equal(probs, jax.nn.one_hot(draft, 16))
     assert isinstance(drafter, Drafter)
@@ -133,8 +138,11 @@ def test_layer_skip_drafts_like_the_truncated_target():
         ids = jnp.asarray([prompt + expected[i][:1]])
         T = ids.shape[1]
         logits = forward(small_weights, small_cfg, ids, jnp.arange(T)[None], KVCache.empty(small_cfg, 1, T))[0]
-        want = jax.nn.softmax(jnp.where(logits[0, -1] / 0.7 < jax.lax.top_k(logits[0, -1] / 0.7, 10)[0][-1], -jnp.inf,
-                                        logits[0, -1] / 0.7))  # fmt: skip
+        want = jax.nn.softmax(
+            jnp.where(
+                logits[0, -1] / 0.7 < jax.lax.top_k(logits[0, -1] / 0.7, 10)[0][-1], -jnp.inf, logits[0, -1] / 0.7
+            )
+        )
         np.testing.assert_allclose(probs[i, 0], want, atol=1e-5)
         assert np.count_nonzero(np.asarray(probs[i, 1])) == 10 and np.isclose(float(probs[i, 1].sum()), 1, atol=1e-5)
 
@@ -198,8 +206,26 @@ def test_cli_speculative_json(tiny_folders, tmp_path):
     assert stats["rounds"] >= 1 and 1 <= stats["mean_accepted"] <= 4 and len(stats["acceptance_by_position"]) == 3
     assert ng["config"]["drafter"] == "ngram:2" and "mean_accepted" not in ar["results"][0]["stats"]
     out = tmp_path / "samples.json"
-    entry(["--model", tiny, "--prompt", "Hi", "--max-new-tokens", "4", "--temperature", "1", "--num-samples", "3",
-           "--drafter", f"model:{tiny}", "--num-draft-tokens", "2", "--json", str(out)])  # fmt: skip
+    entry(
+        [
+            "--model",
+            tiny,
+            "--prompt",
+            "Hi",
+            "--max-new-tokens",
+            "4",
+            "--temperature",
+            "1",
+            "--num-samples",
+            "3",
+            "--drafter",
+            f"model:{tiny}",
+            "--num-draft-tokens",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     results = json.loads(out.read_text())["results"]
     assert [r["prompt"] for r in results] == ["Hi"] * 3 and results[0]["stats"]["mean_accepted"] == 3.0
 

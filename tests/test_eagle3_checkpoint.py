@@ -17,8 +17,17 @@ from specjax.io.eagle3_checkpoint import check_eagle3, head_to_hf, hf_tensor_spe
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head, param_specs, vocab_map_from_ids
 
 # Llama-3.1-8B and its published head (docs/eagle3-head.md, section 6), written out by hand from the spec.
-LLAMA31_8B = ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0)  # fmt: skip
+LLAMA31_8B = ModelConfig(
+    "llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+)
 PUBLISHED_CONFIG = {
     "architectures": ["LlamaForCausalLMEagle3"],
     "model_type": "llama",
@@ -57,8 +66,9 @@ PUBLISHED_TENSORS = {
 }
 ST_DTYPE = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "I64": np.int64, "BOOL": np.bool_}
 
-TARGET = ModelConfig("llama", vocab_size=80, hidden_size=16, intermediate_size=32, num_layers=8, num_heads=4,
-                     num_kv_heads=2, head_dim=4)  # fmt: skip
+TARGET = ModelConfig(
+    "llama", vocab_size=80, hidden_size=16, intermediate_size=32, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=4
+)
 
 
 def header_only_safetensors(path, tensors: dict[str, tuple[list[int], str]]) -> None:
@@ -79,8 +89,17 @@ def read_header(path) -> dict[str, tuple[list[int], str]]:
 
 
 def small_cfg(**overrides) -> Eagle3Config:
-    fields = dict(hidden_size=16, intermediate_size=24, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=80,
-                  draft_vocab_size=30, target_num_layers=8, rope_theta=1000.0)  # fmt: skip
+    fields = dict(
+        hidden_size=16,
+        intermediate_size=24,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=80,
+        draft_vocab_size=30,
+        target_num_layers=8,
+        rope_theta=1000.0,
+    )
     return Eagle3Config(**{**fields, **overrides})
 
 
@@ -91,16 +110,18 @@ def small_head(cfg: Eagle3Config, seed: int = 0) -> Eagle3Head:
         weights[name] = ((len(spec.shape) == 1) + 0.2 * rng.standard_normal(spec.shape)).astype(np.float32)
     if cfg.needs_own_embedding:
         weights["embed"] = rng.standard_normal((cfg.vocab_size, cfg.hidden_size)).astype(np.float32)
-    weights["d2t"], _ = vocab_map_from_ids(rng.choice(cfg.vocab_size, cfg.draft_vocab_size, replace=False).tolist(),
-                                           cfg.vocab_size)  # fmt: skip
+    weights["d2t"], _ = vocab_map_from_ids(
+        rng.choice(cfg.vocab_size, cfg.draft_vocab_size, replace=False).tolist(), cfg.vocab_size
+    )
     return Eagle3Head(cfg, weights=weights)
 
 
 @nnx.jit
 def _draft(head, embed, ids, taps):
     B, T = ids.shape
-    logits, out, cache = head.step(head.embed_tokens(ids, embed), head.fuse(taps), jnp.arange(T)[None] + 9,
-                                   head.empty_cache(B, T + 1))  # fmt: skip
+    logits, out, cache = head.step(
+        head.embed_tokens(ids, embed), head.fuse(taps), jnp.arange(T)[None] + 9, head.empty_cache(B, T + 1)
+    )
     cache = cache.advance(jnp.full((B,), T))
     token = head.target_ids_of_draft_vocab()[jnp.argmax(logits[:, -1:], -1)]
     logits2, _, _ = head.step(head.embed_tokens(token, embed), out[:, -1:], jnp.full((B, 1), T + 9), cache)
@@ -196,8 +217,9 @@ def test_bfloat16_round_trip_and_own_embedding(tmp_path):
     assert cfg2 == cfg and head2.embed is not None
     # Loading what was written is exact: the loaded head equals the original rounded to bfloat16.
     state = nnx.to_pure_dict(nnx.state(head))
-    rounded = {k: v if k in ("d2t", "t2d") else np.asarray(v, ml_dtypes.bfloat16).astype(np.float32)
-               for k, v in state.items()}  # fmt: skip
+    rounded = {
+        k: v if k in ("d2t", "t2d") else np.asarray(v, ml_dtypes.bfloat16).astype(np.float32) for k, v in state.items()
+    }
     rounded = Eagle3Head(cfg, weights=rounded)
     for a, b in zip(draft_logits(rounded), draft_logits(head2)):
         np.testing.assert_array_equal(a, b)
@@ -238,17 +260,26 @@ def test_every_missing_extra_and_misshaped_tensor_is_named(tmp_path):
         load_eagle3(tmp_path, TARGET)
     msg = str(err.value)
     assert "\n" not in msg
-    for name in ("norm.weight", "midlayer.hidden_norm.weight", "d2t", "layers.1.mlp.up_proj.weight", "fc.bias",
-                 "lm_head.weight has shape [20, 16], expected [30, 16]", "o_proj.weight has shape [32, 16]",
-                 "gate_proj.weight has dtype I32"):  # fmt: skip
+    for name in (
+        "norm.weight",
+        "midlayer.hidden_norm.weight",
+        "d2t",
+        "layers.1.mlp.up_proj.weight",
+        "fc.bias",
+        "lm_head.weight has shape [20, 16], expected [30, 16]",
+        "o_proj.weight has shape [32, 16]",
+        "gate_proj.weight has dtype I32",
+    ):
         assert name in msg, (name, msg)
 
 
 def test_head_for_another_target_is_refused(tmp_path):
     cfg = small_cfg()
     save_eagle3(tmp_path, cfg, small_head(cfg), dtype=np.float32)
-    for wrong, what in ((ModelConfig(**{**TARGET.__dict__, "hidden_size": 32}), "hidden size"),
-                        (ModelConfig(**{**TARGET.__dict__, "vocab_size": 81}), "vocab")):  # fmt: skip
+    for wrong, what in (
+        (ModelConfig(**{**TARGET.__dict__, "hidden_size": 32}), "hidden size"),
+        (ModelConfig(**{**TARGET.__dict__, "vocab_size": 81}), "vocab"),
+    ):
         with pytest.raises(CheckpointError, match=what) as err:
             load_eagle3(tmp_path, wrong)
         assert "\n" not in str(err.value)
@@ -270,8 +301,12 @@ def test_inconsistent_vocab_buffers_and_bad_variants_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
     with pytest.raises(CheckpointError, match="t2d and d2t"):
         load_eagle3(tmp_path, TARGET)
-    for flag in ({"num_hidden_layers": 2}, {"fc_norm": True}, {"architectures": ["LlamaForCausalLM"]},
-                 {"tie_word_embeddings": True}):  # fmt: skip
+    for flag in (
+        {"num_hidden_layers": 2},
+        {"fc_norm": True},
+        {"architectures": ["LlamaForCausalLM"]},
+        {"tie_word_embeddings": True},
+    ):
         with pytest.raises(UnsupportedModelError) as err:
             Eagle3Config.from_hf({**cfg.to_hf(), **flag}, TARGET)
         assert next(iter(flag)) in str(err.value) or "architectures" in flag
@@ -306,9 +341,12 @@ def speculators_config(cfg: Eagle3Config) -> dict:
         "target_hidden_size": None,
         **{k: flat[k] for k in top if k in flat},
         "transformer_layer_config": {**layer, "architectures": ["LlamaForCausalLM"]},
-        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [{"speculative_tokens": 3}],
-                               "verifier": {"name_or_path": "some/target"}},
-    }  # fmt: skip
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"speculative_tokens": 3}],
+            "verifier": {"name_or_path": "some/target"},
+        },
+    }
 
 
 def test_speculators_format_configs_load(tmp_path):

@@ -70,10 +70,18 @@ def ar_batch():
 def decode(d, prompts, cfg=CFG, weights=WEIGHTS, max_new=MAX_NEW, sampling=SamplingConfig(), seed=0):
     tokens, lengths = pack_prompts(prompts, len(prompts), cfg.max_position_embeddings)
     return spec.speculative_decode(
-        weights, d, Fixed(K), jnp.asarray(tokens), jnp.asarray(lengths), np.full(len(prompts), max_new, np.int32),
-        jax.random.split(jax.random.key(seed), len(prompts)), Sampling.of(sampling), cfg=cfg, eos_ids=(),
+        weights,
+        d,
+        Fixed(K),
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        np.full(len(prompts), max_new, np.int32),
+        jax.random.split(jax.random.key(seed), len(prompts)),
+        Sampling.of(sampling),
+        cfg=cfg,
+        eos_ids=(),
         prefill_chunk=8,
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +206,16 @@ def empirical_joint(d, max_new=3, sampling=SamplingConfig(temperature=1.0)):
     counts = np.zeros((V, V, V))
     for seed in range(DIST_SEEDS):
         result = spec.generate(
-            SMALL_WEIGHTS, SMALL, [DIST_PROMPT] * DIST_ROWS, drafter=d, num_draft_tokens=2, max_new_tokens=max_new,
-            sampling=sampling, seed=seed, eos_ids=(),
-        )  # fmt: skip
+            SMALL_WEIGHTS,
+            SMALL,
+            [DIST_PROMPT] * DIST_ROWS,
+            drafter=d,
+            num_draft_tokens=2,
+            max_new_tokens=max_new,
+            sampling=sampling,
+            seed=seed,
+            eos_ids=(),
+        )
         for c in result.completions:
             counts[tuple(c.output_ids[:3])] += 1
     return counts / counts.sum(), result.stats
@@ -243,9 +258,16 @@ def test_tree_rows_with_mixed_settings_each_match_their_target_distribution():
     counts = np.zeros((2, V, V, V))
     for seed in range(2 * DIST_SEEDS):  # as many samples per setting as the single-setting test
         result = spec.generate(
-            SMALL_WEIGHTS, SMALL, [DIST_PROMPT] * DIST_ROWS, drafter=d, num_draft_tokens=2, max_new_tokens=3,
-            sampling=[settings[i % 2] for i in range(DIST_ROWS)], seed=seed, eos_ids=(),
-        )  # fmt: skip
+            SMALL_WEIGHTS,
+            SMALL,
+            [DIST_PROMPT] * DIST_ROWS,
+            drafter=d,
+            num_draft_tokens=2,
+            max_new_tokens=3,
+            sampling=[settings[i % 2] for i in range(DIST_ROWS)],
+            seed=seed,
+            eos_ids=(),
+        )
         for i, c in enumerate(result.completions):
             counts[(i % 2, *c.output_ids[:3])] += 1
     for setting, count in zip(settings, counts):
@@ -260,10 +282,19 @@ def test_sampled_tree_rows_are_the_same_alone_as_in_a_batch():
     prompts, seeds = [[1, 2, 3], [4, 5, 6, 7, 0, 1], [2]], [7, 8, 9]
 
     def run(prompts, seeds):
-        return outputs(spec.generate(
-            SMALL_WEIGHTS, SMALL, prompts, drafter=d, num_draft_tokens=2, max_new_tokens=12,
-            sampling=SamplingConfig(temperature=1.0), seed=seeds, eos_ids=(),
-        ))  # fmt: skip
+        return outputs(
+            spec.generate(
+                SMALL_WEIGHTS,
+                SMALL,
+                prompts,
+                drafter=d,
+                num_draft_tokens=2,
+                max_new_tokens=12,
+                sampling=SamplingConfig(temperature=1.0),
+                seed=seeds,
+                eos_ids=(),
+            )
+        )
 
     batched = run(prompts, seeds)
     assert [run([p], [s])[0] for p, s in zip(prompts, seeds)] == batched == run(prompts, seeds)

@@ -17,8 +17,17 @@ from specjax.io.eagle3_checkpoint import head_to_hf
 from specjax.models import llama
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head, param_specs, vocab_map_from_ids
 
-TARGET = ModelConfig("llama", vocab_size=96, hidden_size=24, intermediate_size=40, num_layers=8, num_heads=4,
-                     num_kv_heads=2, head_dim=6, rope_theta=50000.0)  # fmt: skip
+TARGET = ModelConfig(
+    "llama",
+    vocab_size=96,
+    hidden_size=24,
+    intermediate_size=40,
+    num_layers=8,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=6,
+    rope_theta=50000.0,
+)
 
 
 def head_config(own_embedding: bool) -> Eagle3Config:
@@ -72,9 +81,13 @@ class TorchEagle3:
         inv, scale = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)), 1.0
         if c.rope_scaling is not None:  # transformers' frequencies and cos/sin factor for the head's config
             hf = transformers.LlamaConfig(
-                hidden_size=c.hidden_size, num_attention_heads=c.num_heads, head_dim=hd, rope_theta=c.rope_theta,
-                max_position_embeddings=c.max_position_embeddings, rope_scaling=c.rope_scaling.to_hf(),
-            )  # fmt: skip
+                hidden_size=c.hidden_size,
+                num_attention_heads=c.num_heads,
+                head_dim=hd,
+                rope_theta=c.rope_theta,
+                max_position_embeddings=c.max_position_embeddings,
+                rope_scaling=c.rope_scaling.to_hf(),
+            )
             inv, scale = ROPE_INIT_FUNCTIONS[c.rope_scaling.rope_type](hf)
         ang = pos.double()[..., None] * inv.double()  # [B, T, hd/2]
         emb = torch.cat([ang, ang], -1)[:, None]

@@ -99,10 +99,20 @@ def test_a_seeded_request_samples_the_same_tokens_whoever_shares_the_slots(name)
         if drafter is None:
             expected = alone.generate([prompt], limit, hot, seeds=[seed])[0].output_ids
         else:
-            expected = speculative.generate(
-                WEIGHTS, CFG, [prompt], drafter=drafter, num_draft_tokens=3, max_new_tokens=limit, sampling=hot,
-                seed=[seed],
-            ).completions[0].output_ids  # fmt: skip
+            expected = (
+                speculative.generate(
+                    WEIGHTS,
+                    CFG,
+                    [prompt],
+                    drafter=drafter,
+                    num_draft_tokens=3,
+                    max_new_tokens=limit,
+                    sampling=hot,
+                    seed=[seed],
+                )
+                .completions[0]
+                .output_ids
+            )
         assert done[i].output_ids == expected, (prompt, seed)
     greedy = [generate(WEIGHTS, CFG, [p], max_new_tokens=n).completions[0].output_ids for p, n in work]
     assert [done[i].output_ids for i in ids] != greedy  # sampling, not greedy decoding
@@ -147,8 +157,9 @@ def test_a_stream_of_requests_compiles_five_programs_and_static_batches_idle_mor
     out = refilling.generate(prompts, limits)
     compiled = {k: n - before.get(k, 0) for k, n in batch.compilations().items() if n != before.get(k, 0)}
     assert compiled == {"empty_state": 1, "begin": 1, "prefill": 1, "insert": 1, "run": 1}
-    static = Engine(WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=3, slots=4, max_context=64,
-                    refill=False)  # fmt: skip
+    static = Engine(
+        WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=3, slots=4, max_context=64, refill=False
+    )
     assert [c.output_ids for c in static.generate(prompts, limits)] == [c.output_ids for c in out]
 
     assert refilling.idle_share() < static.idle_share()

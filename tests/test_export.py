@@ -79,9 +79,14 @@ DRAFTERS = {
 def test_speculative_loop_exports_for_gpu_and_tpu(name, sampling):
     drafter, adaptive = DRAFTERS[name]
     exported = export.export(spec.speculative_decode, platforms=PLATFORMS)(
-        WEIGHTS, drafter, adaptive or Fixed(3), *loop_inputs(SAMPLING[sampling]), cfg=CFG, eos_ids=(1,),
+        WEIGHTS,
+        drafter,
+        adaptive or Fixed(3),
+        *loop_inputs(SAMPLING[sampling]),
+        cfg=CFG,
+        eos_ids=(1,),
         prefill_chunk=16,
-    )  # fmt: skip
+    )
     text = exported_text(exported)
     assert "stablehlo.while" in text  # the whole loop is in the artifact, not unrolled on the host
     if adaptive:

@@ -77,16 +77,20 @@ def test_packed_features_equal_each_sample_alone(stored):
     assert rows["features"].dtype == jnp.bfloat16
     assert rows["features"].shape == (*rows["tokens"].shape, len(layers) * cfg.hidden_size)
     T = rows["tokens"].shape[1]
-    spans = [(r, np.nonzero(rows["segments"][r] == s)[0])
-             for r in range(len(rows["tokens"])) for s in range(1, rows["segments"][r].max() + 1)]  # fmt: skip
+    spans = [
+        (r, np.nonzero(rows["segments"][r] == s)[0])
+        for r in range(len(rows["tokens"]))
+        for s in range(1, rows["segments"][r].max() + 1)
+    ]
     assert len(spans) > len(rows["tokens"])  # some rows hold several samples
     # Every sample alone in a row of its own, padded after its end (causal: the padding changes nothing before it).
     alone_tokens = np.zeros((len(spans), T), np.int32)
     for i, (r, span) in enumerate(spans):
         alone_tokens[i, : len(span)] = rows["tokens"][r, span]
     positions = jnp.broadcast_to(jnp.arange(T), alone_tokens.shape)
-    _, alone, _ = forward(weights, cfg, jnp.asarray(alone_tokens), positions,
-                          KVCache.empty(cfg, len(spans), T), tap_layers=layers)  # fmt: skip
+    _, alone, _ = forward(
+        weights, cfg, jnp.asarray(alone_tokens), positions, KVCache.empty(cfg, len(spans), T), tap_layers=layers
+    )
     for i, (r, span) in enumerate(spans):
         got = np.asarray(rows["features"][r, span], np.float32)
         np.testing.assert_allclose(got, np.asarray(alone[i, : len(span)]), rtol=1e-2, atol=1e-2)  # bfloat16 storage

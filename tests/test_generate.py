@@ -151,8 +151,9 @@ def test_samples_of_a_prompt_share_one_prefill(monkeypatch):
     expected = [c.output_ids for c in alone.completions for _ in range(3)]
     assert [c.output_ids for c in greedy.completions] == expected
     assert [c.prompt_ids for c in greedy.completions] == [p for p in PROMPTS[:2] for _ in range(3)]
-    sampled = gen.generate(WEIGHTS, CFG, PROMPTS[:1], max_new_tokens=8, eos_ids=(), num_samples=6,
-                           sampling=SamplingConfig(temperature=1.0))  # fmt: skip
+    sampled = gen.generate(
+        WEIGHTS, CFG, PROMPTS[:1], max_new_tokens=8, eos_ids=(), num_samples=6, sampling=SamplingConfig(temperature=1.0)
+    )
     assert len({tuple(c.output_ids) for c in sampled.completions}) > 1  # independent samples, not one copied
     with pytest.raises(InputError, match="num_samples must be >= 1"):
         gen.generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=4, num_samples=0)

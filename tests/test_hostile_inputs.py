@@ -47,12 +47,12 @@ NUMBERS = {
     "lookup-tokens 2**40": (
         ["--drafter", "ngram+ngram", "--num-draft-tokens", "3", "--lookup-tokens", HUGE],
         "too large",
-    ),  # fmt: skip
+    ),
     "ngram size 2**40": (["--drafter", f"ngram:{HUGE}"], "n-gram size"),
     "lookup-first ngram size 2**40": (
         ["--drafter", f"ngram:{HUGE}+layerskip:1", "--num-draft-tokens", "2"],
         "n-gram size",
-    ),  # fmt: skip
+    ),
     "layerskip 2**40": (["--drafter", f"layerskip:{HUGE}"], "layer"),
     "tree depth 2**40": (["--drafter", "eagle3:smollm2-135m", "--tree", f"{HUGE},2,4"], "depth"),
     "temperature past float32": (["--temperature", "1e39"], "temperature"),
@@ -171,8 +171,18 @@ def test_results_that_cannot_be_written_go_to_stdout(code, tiny_folder, tmp_path
 
 def test_bench_results_that_cannot_be_written_go_to_stdout(tmp_path, monkeypatch, capsys):
     refuse_writes_to(monkeypatch, "bench.json")
-    argv = ["--model", "tiny-random", "--modes", "ar", "--num-prompts", "1", "--max-new-tokens", "2",
-            "--out-dir", str(tmp_path / "run")]  # fmt: skip
+    argv = [
+        "--model",
+        "tiny-random",
+        "--modes",
+        "ar",
+        "--num-prompts",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--out-dir",
+        str(tmp_path / "run"),
+    ]
     exit_code, err, stdout = run_cli(capsys, bench.entry, *argv)
     assert_one_line(exit_code, err, "specjax-bench", "no space left on device")
     assert [m["mode"] for m in json.loads(stdout)["modes"]] == ["ar"]
@@ -197,8 +207,20 @@ def test_an_unusable_cache_is_a_warning_and_the_run_goes_on(kind, tiny_folder, t
     monkeypatch.setenv("SPECJAX_CACHE", str(cache))
     monkeypatch.setattr(host.log, "propagate", True)
     out = tmp_path / "out.json"
-    entry(["--model", str(tiny_folder), "--drafter", "ngram", "--prompt", "a b a b", "--max-new-tokens", "4",
-           "--json", str(out)])  # fmt: skip
+    entry(
+        [
+            "--model",
+            str(tiny_folder),
+            "--drafter",
+            "ngram",
+            "--prompt",
+            "a b a b",
+            "--max-new-tokens",
+            "4",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["results"][0]["output_ids"]
     warnings = {m for m in caplog.messages if "unusable" in m}
     assert len(warnings) == 1 and str(cache) in warnings.pop()

@@ -2,12 +2,14 @@
 
 import ast
 import importlib.util
+import subprocess
 from importlib.metadata import distribution
 from pathlib import Path
 
 import specjax
 
 ROOT = Path(specjax.__file__).parent
+REPO = ROOT.parent
 # Bottom to top. A module may import modules of its own layer or below, never above: the command line is the top
 # wing, and the front door (`specjax/__init__.py`) re-exports from everything but it.
 LAYERS = [
@@ -107,3 +109,21 @@ def test_only_specjax_is_installed_and_the_scripts_live_in_its_cli():
     scripts = {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"}
     assert set(scripts) == {"specjax-generate", "specjax-bench", "specjax-train", "specjax-serve"}
     assert all(value.startswith("specjax.cli.") for value in scripts.values())
+
+
+def test_the_top_level_is_the_design_cards():
+    """specjax/ (the library), decode/ and train/ (what a checkout runs), configs/, tests/ and pyproject.toml, plus
+    the docs, the front door and the two entry points: nothing else is tracked at the top."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    top = {line.split("/")[0] for line in tracked.splitlines()}
+    assert top == {"specjax", "decode", "train", "configs", "tests", "pyproject.toml"} | {
+        "docs",
+        "README.md",
+        "Makefile",
+        ".ci",
+        ".gitignore",
+    }, top
+    for folder, library in (("decode", "specjax.decoding"), ("train", "specjax.train")):
+        first = (REPO / folder / "README.md").read_text().splitlines()
+        assert library in " ".join(first[:3]), (folder, first[:3])
+    assert not (REPO / "decode" / "__init__.py").exists() and not (REPO / "train" / "__init__.py").exists()

@@ -34,10 +34,13 @@ def random_head(cfg: ModelConfig) -> Eagle3Head:
     """A random EAGLE-3 head from numpy weights (its own random init compiles a kernel per shape: slow here)."""
     head_cfg = Eagle3Config.default_for(cfg)
     rng = np.random.default_rng(0)
-    return Eagle3Head(head_cfg, weights={
-        n: np.ones(s.shape, np.float32) if n in NORMS else 0.05 * rng.standard_normal(s.shape, np.float32)
-        for n, s in param_specs(head_cfg).items()
-    })  # fmt: skip
+    return Eagle3Head(
+        head_cfg,
+        weights={
+            n: np.ones(s.shape, np.float32) if n in NORMS else 0.05 * rng.standard_normal(s.shape, np.float32)
+            for n, s in param_specs(head_cfg).items()
+        },
+    )
 
 
 def measured_bytes(lowered, shared_bytes: int = 0) -> int:
@@ -75,11 +78,25 @@ def test_plan_of_eagle3_chain_decoding_matches_compiled_memory():
     drafter = Eagle3Drafter.create(random_head(cfg), weights.embed)
     batch, prompt_len, max_new, k = 4, 64, 64, 4
     lowered = spec.speculative_decode.lower(
-        weights, drafter, Fixed(k), *inputs(cfg, batch, prompt_len, max_new), cfg=cfg, eos_ids=(1,), prefill_chunk=64,
-    )  # fmt: skip
-    p = plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new,
-                         drafter=drafter, draft_shape=TreeSpec.chain(k), target_weights=weights,
-                         prefill_chunk=64)  # fmt: skip
+        weights,
+        drafter,
+        Fixed(k),
+        *inputs(cfg, batch, prompt_len, max_new),
+        cfg=cfg,
+        eos_ids=(1,),
+        prefill_chunk=64,
+    )
+    p = plan.memory_plan(
+        cfg,
+        jnp.float32,
+        batch=batch,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new,
+        drafter=drafter,
+        draft_shape=TreeSpec.chain(k),
+        target_weights=weights,
+        prefill_chunk=64,
+    )
     assert p.num_slots == 256 + k + 1  # S: 64 + 64 up to the smallest width, and a round's draft
     head_cache = 2 * batch * p.num_slots * 1 * 2 * 32 * 4  # the head's one layer
     assert p.drafter > head_cache + sum(x.size * 4 for x in jax.tree.leaves(drafter.params))
@@ -101,9 +118,16 @@ def test_llama31_8b_long_context_plans_fit_an_80gb_device(batch, prompt_len):
 
     def plan_at(chunk):
         return plan.memory_plan(
-            cfg, jnp.bfloat16, batch=batch, prompt_len=prompt_len, max_new_tokens=256, drafter=drafter,
-            draft_shape=tree, target_weights=embed, prefill_chunk=chunk,
-        )  # fmt: skip
+            cfg,
+            jnp.bfloat16,
+            batch=batch,
+            prompt_len=prompt_len,
+            max_new_tokens=256,
+            drafter=drafter,
+            draft_shape=tree,
+            target_weights=embed,
+            prefill_chunk=chunk,
+        )
 
     chunked = plan_at(ACCELERATOR_PREFILL_CHUNK)
     assert chunked.num_slots == 2 * prompt_len + tree.capacity  # the next power of two, and a round's draft
@@ -130,8 +154,12 @@ def test_a_run_that_does_not_fit_names_the_smallest_mesh_that_does():
     def plan_at(batch, mesh=None):
         return plan.memory_plan(cfg, jnp.float32, batch=batch, prompt_len=10, max_new_tokens=64, mesh=mesh)
 
-    assert larger_meshes(1, 8)[:4] == [{"data": 1, "tensor": 2}, {"data": 2, "tensor": 1}, {"data": 1, "tensor": 4},
-                                       {"data": 2, "tensor": 2}]  # fmt: skip
+    assert larger_meshes(1, 8)[:4] == [
+        {"data": 1, "tensor": 2},
+        {"data": 2, "tensor": 1},
+        {"data": 1, "tensor": 4},
+        {"data": 2, "tensor": 2},
+    ]
     available = plan_at(4, {"data": 1, "tensor": 4}).total
     assert plan_at(4, {"data": 2, "tensor": 1}).total > available  # so the tensor=4 mesh is the first that fits
     with pytest.raises(InputError, match=r"a batch of \d would fit, or --mesh data=1,tensor=4 \(4 devices\) would$"):
@@ -160,8 +188,11 @@ def test_weights_that_would_not_fit_are_refused_before_a_tensor_is_read(monkeypa
     cfg = ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, max_position_embeddings=131072)
     monkeypatch.setattr(llama, "device_memory", lambda: 12 * 2**30)
     read = []
-    with pytest.raises(InputError, match=r"^8b: the weights need 14\.96 GiB on each device but one holds 12\.00 GiB; "
-                                         r"--quantize int8 would$"):  # fmt: skip
+    with pytest.raises(
+        InputError,
+        match=r"^8b: the weights need 14\.96 GiB on each device but one holds 12\.00 GiB; "
+        r"--quantize int8 would$",
+    ):
         llama.weights_from_hf(cfg, read.append, jnp.bfloat16, source="8b")
     assert read == []
 
@@ -191,8 +222,9 @@ def test_a_plan_on_a_mesh_splits_weights_and_cache_by_their_axes():
     # Llama-3.1-8B's shapes: 32 layers of 4096, 32 query heads over 8 KV heads of 128, MLP 14336, vocabulary 128256.
     cfg = ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, max_position_embeddings=131072)
     whole = plan.memory_plan(cfg, jnp.bfloat16, batch=8, prompt_len=1000, max_new_tokens=1024)
-    split = plan.memory_plan(cfg, jnp.bfloat16, batch=8, prompt_len=1000, max_new_tokens=1024,
-                             mesh={"data": 2, "tensor": 4})  # fmt: skip
+    split = plan.memory_plan(
+        cfg, jnp.bfloat16, batch=8, prompt_len=1000, max_new_tokens=1024, mesh={"data": 2, "tensor": 4}
+    )
     L, D, F, V, H = 32, 4096, 14336, 128256, 128
     per_layer = 2 * D + (D * 32 * H + 2 * D * 8 * H + 32 * H * D + 3 * D * F) // 4  # norms whole, the rest over tensor
     assert split.weights == 2 * (L * per_layer + D + 2 * V * D // 4)  # embedding and LM head over tensor too

@@ -25,8 +25,12 @@ def test_builtin_prompts_are_the_same_in_every_process():
     fresh process, with other addresses and another environment, writes the same prompts (and finds its store units)."""
     code = "from specjax.train.prompts import builtin_prompts; print(hash(tuple(builtin_prompts(0))))"
     env = {"PYTHONHASHSEED": "0", "PATH": "/usr/bin:/bin"}
-    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "EXTRA": str(i)},
-                           check=True).stdout for i in range(2)}  # fmt: skip
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env={**env, "EXTRA": str(i)}, check=True
+        ).stdout
+        for i in range(2)
+    }
     assert len(runs) == 1
     prompts = builtin_prompts(seed=0)
     assert not any(" at 0x" in p or "environ(" in p for p in prompts)

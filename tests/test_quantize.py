@@ -120,10 +120,11 @@ def dflash_drafter(cfg, target):
 
 DRAFTERS = {  # each reads the int8 target's arrays: its layers, its embedding, its LM head
     "layerskip": lambda cfg, target: LayerSkipDrafter(target, cfg, 1),
-    "eagle3": lambda cfg, target: Eagle3Drafter.create(Eagle3Head(Eagle3Config.default_for(cfg), rngs=nnx.Rngs(0)),
-                                                       target.embed),
+    "eagle3": lambda cfg, target: Eagle3Drafter.create(
+        Eagle3Head(Eagle3Config.default_for(cfg), rngs=nnx.Rngs(0)), target.embed
+    ),
     "dflash": dflash_drafter,
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
@@ -150,8 +151,25 @@ def test_loading_quantizes_each_matrix_as_quantize_weights_does(tiny_folder):
 
 def test_generate_quantize_int8_runs_and_int4_is_one_line(tiny_folder, tmp_path, capsys):
     out = tmp_path / "out.json"
-    entry(["--model", str(tiny_folder), "--quantize", "int8", "--prompt", "Hi", "--max-new-tokens", "6",
-           "--drafter", "layerskip:1", "--num-draft-tokens", "2", "--compare-ar", "--json", str(out)])  # fmt: skip
+    entry(
+        [
+            "--model",
+            str(tiny_folder),
+            "--quantize",
+            "int8",
+            "--prompt",
+            "Hi",
+            "--max-new-tokens",
+            "6",
+            "--drafter",
+            "layerskip:1",
+            "--num-draft-tokens",
+            "2",
+            "--compare-ar",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())["results"][0]
     assert len(result["output_ids"]) >= 1 and result["stats"]["identical_to_ar"]
     capsys.readouterr()

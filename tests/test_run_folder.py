@@ -21,9 +21,13 @@ from specjax.train.trainer import truncate_metrics
 SMOKE = Path(__file__).resolve().parent.parent / "configs" / "smoke.yaml"
 # A small pipeline: 8 prompts with a greedy and a sampled response each (two store units), 4 steps.
 TINY = (
-    "data.num_prompts=8", "data.samples_per_prompt=1", "data.source_tokens=0", "training.steps=4",
-    "checkpoint.every=2", "logging.every=1",
-)  # fmt: skip
+    "data.num_prompts=8",
+    "data.samples_per_prompt=1",
+    "data.source_tokens=0",
+    "training.steps=4",
+    "checkpoint.every=2",
+    "logging.every=1",
+)
 STAGES = ("--stages", "regenerate,vocab,features,train")
 OUTSIDE = b"a file outside output_dir\n"
 

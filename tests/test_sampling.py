@@ -128,8 +128,13 @@ def test_rows_of_a_batch_each_get_their_own_setting():
     only its argmax."""
     rng = np.random.default_rng(2)
     logits = jnp.asarray(rng.normal(0, 2, (5, 3, 40)).astype(np.float32))  # [B, nodes, V]
-    settings = [SamplingConfig(0.5, 3, 0.9), SamplingConfig(), SamplingConfig(1.3), SamplingConfig(1.0, 0, 0.4),
-                SamplingConfig(0.9, 12, 1.0)]  # fmt: skip
+    settings = [
+        SamplingConfig(0.5, 3, 0.9),
+        SamplingConfig(),
+        SamplingConfig(1.3),
+        SamplingConfig(1.0, 0, 0.4),
+        SamplingConfig(0.9, 12, 1.0),
+    ]
     rows = Sampling.of(settings, 5)
     assert not rows.greedy and Sampling.of([SamplingConfig()] * 2, 3).greedy
     got = np.asarray(probabilities(logits, rows))

@@ -1,12 +1,14 @@
-"""specjax.cli.scaling's plumbing: the whole data set first (it stores the features), then each fraction on the same
+"""train/scaling.py's plumbing: the whole data set first (it stores the features), then each fraction on the same
 features in its own output folder, one curve point per run in order of size, and one-line errors."""
 
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
-from specjax.cli import scaling
+scaling = load_script("train/scaling.py")
+
 
 SMOKE = Path(__file__).resolve().parent.parent / "configs" / "smoke.yaml"
 
@@ -18,8 +20,12 @@ def test_full_run_first_then_subsets_on_its_features(tmp_path, monkeypatch):
         t = cfg.training
         calls.append((cfg.output_dir, t.data_fraction, t.epochs, t.features_dir, stages))
         cfg.output_path.mkdir(parents=True)
-        rows = {"data_fraction": t.data_fraction, "rows": int(64 * t.data_fraction), "samples": 1,
-                "assistant_tokens": int(1000 * t.data_fraction)}  # fmt: skip
+        rows = {
+            "data_fraction": t.data_fraction,
+            "rows": int(64 * t.data_fraction),
+            "samples": 1,
+            "assistant_tokens": int(1000 * t.data_fraction),
+        }
         (cfg.output_path / "training_rows.json").write_text(json.dumps(rows))
         mean = {"chain": {"mean_accepted": 1 + t.data_fraction}, "tree": {"mean_accepted": 2 + t.data_fraction}}
         (cfg.output_path / "eval.json").write_text(json.dumps({"step": 3, "sets": {"heldout": mean}}))
@@ -27,8 +33,9 @@ def test_full_run_first_then_subsets_on_its_features(tmp_path, monkeypatch):
     monkeypatch.setattr(scaling, "run", fake_run)
     base = tmp_path / "run"
     out = tmp_path / "docs" / "scaling"
-    scaling.main(["--config", str(SMOKE), "--fractions", "0.5,1,0.25", "--epochs", "2", "--out", str(out),
-                  f"output_dir={base}"])  # fmt: skip
+    scaling.main(
+        ["--config", str(SMOKE), "--fractions", "0.5,1,0.25", "--epochs", "2", "--out", str(out), f"output_dir={base}"]
+    )
     assert calls == [
         (str(base), 1.0, 2.0, None, scaling.FULL_STAGES),
         (f"{base}-scaling-0.5", 0.5, 2.0, str(base / "features"), scaling.SUBSET_STAGES),

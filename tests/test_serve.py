@@ -26,8 +26,16 @@ NAME = "tiny"
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Engine(MODEL.weights, MODEL.cfg, drafter=NgramDrafter(), num_draft_tokens=3, slots=4, max_context=256,
-                    sampled=True, eos_ids=MODEL.eos_ids)  # fmt: skip
+    engine = Engine(
+        MODEL.weights,
+        MODEL.cfg,
+        drafter=NgramDrafter(),
+        num_draft_tokens=3,
+        slots=4,
+        max_context=256,
+        sampled=True,
+        eos_ids=MODEL.eos_ids,
+    )
     with running_in_thread(build_app(engine, MODEL.tokenizer, NAME)) as base:
         yield base, engine
 
@@ -98,8 +106,13 @@ def test_sixteen_concurrent_clients_and_one_gone_mid_stream_leave_every_slot_fre
     before = metrics()
     assert before["specjax_requests_total"] >= 16 and before["specjax_generated_tokens_total"] >= 16
     prompt = "Once upon a time"
-    whole = generate(MODEL.weights, MODEL.cfg, [MODEL.tokenizer.encode(prompt, add_special_tokens=True)],
-                     max_new_tokens=200, eos_ids=MODEL.eos_ids).completions[0]  # fmt: skip
+    whole = generate(
+        MODEL.weights,
+        MODEL.cfg,
+        [MODEL.tokenizer.encode(prompt, add_special_tokens=True)],
+        max_new_tokens=200,
+        eos_ids=MODEL.eos_ids,
+    ).completions[0]
     assert len(whole.output_ids) == 200  # no EOS: only a cancellation ends it early
     long = api.completions.create(model=NAME, prompt=prompt, max_tokens=200, stream=True, temperature=0)
     next(iter(long))  # the first chunk, then the client goes away

@@ -155,7 +155,7 @@ def test_generate_across_two_processes_gives_one_devices_tokens(tmp_path):
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     outputs = [p.communicate(timeout=600) for p in procs]

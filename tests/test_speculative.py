@@ -185,9 +185,14 @@ class ClaimedProbs(ChainDrafter):
 
     def propose_chain(self, state, tokens_bs, length_b, key, *, num_draft_tokens, vocab_size, sampling):
         tokens, _, state = self.inner.propose_chain(
-            state, tokens_bs, length_b, key, num_draft_tokens=num_draft_tokens, vocab_size=vocab_size,
+            state,
+            tokens_bs,
+            length_b,
+            key,
+            num_draft_tokens=num_draft_tokens,
+            vocab_size=vocab_size,
             sampling=sampling,
-        )  # fmt: skip
+        )
         if self.claim == "one_hot":
             return tokens, jax.nn.one_hot(tokens, vocab_size), state
         return tokens, jnp.full(tokens.shape + (vocab_size,), 1.0 / vocab_size), state
@@ -214,9 +219,19 @@ def sampled_outputs(sampling, drafter, k=2, seed=0):
     tokens, lengths = pack_prompts([TOY_PROMPT], 1, TOY.max_position_embeddings)
     rows = Sampling.of(sampling, None if isinstance(sampling, SamplingConfig) else SAMPLES)
     out = spec.speculative_decode(
-        TOY_TARGET, drafter, Fixed(k), tokens, lengths, np.full(SAMPLES, 3, np.int32), row_keys(seed, SAMPLES), rows,
-        cfg=TOY, eos_ids=(), num_samples=SAMPLES, prefill_chunk=2,
-    ).out_bn  # SAMPLES rows that share the prompt's prefill  # fmt: skip
+        TOY_TARGET,
+        drafter,
+        Fixed(k),
+        tokens,
+        lengths,
+        np.full(SAMPLES, 3, np.int32),
+        row_keys(seed, SAMPLES),
+        rows,
+        cfg=TOY,
+        eos_ids=(),
+        num_samples=SAMPLES,
+        prefill_chunk=2,
+    ).out_bn  # SAMPLES rows that share the prompt's prefill
     V = TOY.vocab_size
     return np.asarray(out)[:, :3] @ np.array([V * V, V, 1])
 

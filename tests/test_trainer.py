@@ -57,8 +57,12 @@ def _env():
 def _script(name: str, *args) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(HERE / name), *map(str, args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 400) -> str:
@@ -118,8 +122,9 @@ def test_gradient_accumulation_gives_the_update_of_one_batch():
 def test_bfloat16_compute_trains_float32_master_weights():
     """training.compute_dtype=bfloat16 on the CPU: the step's matmuls run in bfloat16, the loss on the batch it
     trains on falls, and the weights and Adam's moments stay float32."""
-    _, trainer, source = train_tiny.build(["training.compute_dtype=bfloat16", "training.steps=12",
-                                           "training.learning_rate=0.03"])  # fmt: skip
+    _, trainer, source = train_tiny.build(
+        ["training.compute_dtype=bfloat16", "training.steps=12", "training.learning_rate=0.03"]
+    )
     batch = source.batch(0)
     placed = {k: to_global(v, trainer.batch_sharding) for k, v in batch.items()}
     hlo = trainer._step.lower(trainer.initial_state, trainer.target_weights, placed).as_text()
@@ -252,8 +257,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
 
 
 def test_divergence_before_any_checkpoint_says_to_start_again(tmp_path):
-    _, trainer, source = train_tiny.build(["training.learning_rate=1e30", "training.warmup_steps=0",
-                                           "training.steps=4", "checkpoint.every=1"])  # fmt: skip
+    _, trainer, source = train_tiny.build(
+        ["training.learning_rate=1e30", "training.warmup_steps=0", "training.steps=4", "checkpoint.every=1"]
+    )
     with pytest.raises(TrainingDiverged, match="at step 1, before any checkpoint; lower training.learning_rate"):
         train(trainer, source, tmp_path)  # the first update already throws the weights far past PARAM_LIMIT
     assert checkpoint_manager(trainer, tmp_path).latest_step() is None and _metrics(tmp_path) == []
@@ -288,8 +294,12 @@ def test_a_resumed_run_may_change_optimiser_settings_but_not_the_model_or_data(t
     first = load_config(SMOKE, [f"output_dir={tmp_path}"])
     record_config(first)
     (tmp_path / "train").mkdir()
-    check_record(load_config(SMOKE, [f"output_dir={tmp_path}", "training.learning_rate=1e-4",
-                                     "training.grad_clip=2.0", "training.steps=50"]))  # fmt: skip
+    check_record(
+        load_config(
+            SMOKE,
+            [f"output_dir={tmp_path}", "training.learning_rate=1e-4", "training.grad_clip=2.0", "training.steps=50"],
+        )
+    )
     assert "resuming with changed training settings" in capsys.readouterr().err
     for other in ("training.seq_len=64", "training.ttt_length=2", "data.max_new_tokens=8"):
         with pytest.raises(SpecjaxError, match="holds a run made with different"):
@@ -317,8 +327,15 @@ def test_smoke_pipeline_exports_a_loadable_head(smoke_run):
     from specjax.models.llama import forward
 
     out = smoke_run
-    for name in ("data/manifest.json", "vocab.npz", "features/manifest.json", "train/metrics.jsonl",
-                 "export/config.json", "export/model.safetensors", "config.json"):  # fmt: skip
+    for name in (
+        "data/manifest.json",
+        "vocab.npz",
+        "features/manifest.json",
+        "train/metrics.jsonl",
+        "export/config.json",
+        "export/model.safetensors",
+        "config.json",
+    ):
         assert (out / name).is_file(), name
     steps = [m["step"] for m in _metrics(out / "train")]
     assert steps == sorted(set(steps)) and steps[-1] == 24
@@ -346,8 +363,9 @@ def test_smoke_pipeline_exports_a_loadable_head(smoke_run):
     np.testing.assert_array_equal(np.asarray(head.d2t[...]), d2t)
     tokens = jnp.asarray([[1, 5, 9, 13, 40, 77]], jnp.int32)
     positions = jnp.arange(6)[None]
-    _, taps, _ = forward(target.weights, target.cfg, tokens, positions, KVCache.empty(target.cfg, 1, 8),
-                         tap_layers=head_cfg.tap_layers)  # fmt: skip
+    _, taps, _ = forward(
+        target.weights, target.cfg, tokens, positions, KVCache.empty(target.cfg, 1, 8), tap_layers=head_cfg.tap_layers
+    )
     embed = head.embed_tokens(jnp.roll(tokens, -1, axis=1), target.weights.embed)
     logits, out_prenorm, _ = head.step(embed, head.fuse(taps), positions, head.empty_cache(1, 8))
     assert logits.shape == (1, 6, 512) and bool(jnp.isfinite(logits).all())
@@ -375,10 +393,18 @@ def dflash_run(smoke_run, tmp_path_factory):
     draft's taps are the head's: DFlash layer ids 1, 1, 0)."""
     out = tmp_path_factory.mktemp("dflash") / "run"
     overrides = [
-        f"output_dir={out}", f"data.store={smoke_run / 'store'}", f"training.features_dir={smoke_run / 'features'}",
-        "model.drafter=dflash", "model.tap_layers=[2, 2, 1]", "dflash.mask_token_id=5", "dflash.block_size=4",
-        "dflash.num_anchors=16", "training.steps=16", "evaluation.num_prompts=2", "evaluation.max_new_tokens=12",
-    ]  # fmt: skip
+        f"output_dir={out}",
+        f"data.store={smoke_run / 'store'}",
+        f"training.features_dir={smoke_run / 'features'}",
+        "model.drafter=dflash",
+        "model.tap_layers=[2, 2, 1]",
+        "dflash.mask_token_id=5",
+        "dflash.block_size=4",
+        "dflash.num_anchors=16",
+        "training.steps=16",
+        "evaluation.num_prompts=2",
+        "evaluation.max_new_tokens=12",
+    ]
     with pytest.raises(SystemExit) as exit_info:
         entry(["--config", str(SMOKE), *overrides])
         raise SystemExit(0)
@@ -442,8 +468,12 @@ def test_a_dflash_run_can_start_at_an_exported_draft_of_its_shape(dflash_run, tm
     from specjax.train.config import load_config
     from specjax.train.run import build_trainer, validate
 
-    shape = ["model.drafter=dflash", "model.tap_layers=[2, 2, 1]", "dflash.mask_token_id=5",
-             f"training.init_from={dflash_run / 'export'}"]  # fmt: skip
+    shape = [
+        "model.drafter=dflash",
+        "model.tap_layers=[2, 2, 1]",
+        "dflash.mask_token_id=5",
+        f"training.init_from={dflash_run / 'export'}",
+    ]
     cfg = load_config(SMOKE, [f"output_dir={tmp_path}", *shape, "dflash.block_size=4"])
     model = load_model(cfg.model.target)
     start = build_trainer(cfg, model).draft  # no vocab stage in tmp_path: the draft brings its own
@@ -467,15 +497,23 @@ def test_init_from_takes_a_shipped_head_by_name():
     model = load_model(cfg.model.target)
     with pytest.raises(SpecjaxError, match=r"another shape: draft_vocab_size 4096 \(run: 8192\)"):
         initial_draft(cfg, model)
-    cfg = load_config(ROOT / "configs" / "smollm2-eagle3.yaml", ["training.init_from=smollm2-135m",
-                                                                 "model.draft_vocab_size=4096"])  # fmt: skip
+    cfg = load_config(
+        ROOT / "configs" / "smollm2-eagle3.yaml", ["training.init_from=smollm2-135m", "model.draft_vocab_size=4096"]
+    )
     assert initial_draft(cfg, model)[0].tap_layers == (2, 15, 27)
     assert all(folder.is_dir() for folder in SHIPPED_DRAFTS.values())
 
 
 def test_evaluate_before_any_step_measures_the_starting_head_of_an_init_from_run(smoke_run, tmp_path, capsys):
-    stages = ["--config", str(SMOKE), "--stages", "evaluate", "evaluation.sets=[chat]", "evaluation.num_prompts=2",
-              "evaluation.max_new_tokens=8"]  # fmt: skip
+    stages = [
+        "--config",
+        str(SMOKE),
+        "--stages",
+        "evaluate",
+        "evaluation.sets=[chat]",
+        "evaluation.num_prompts=2",
+        "evaluation.max_new_tokens=8",
+    ]
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     shutil.copy(smoke_run / "vocab.npz", fresh)  # a vocabulary, but no step trained
@@ -563,14 +601,20 @@ def test_a_second_run_on_the_same_output_dir_is_refused(smoke_run, capsys):
         "output-dir-a-file",
         "init-from-missing",
         "init-from-other-shape",
-    ],  # fmt: skip
+    ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(smoke_run, capsys, overrides, message):
     before = _snapshot(smoke_run)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        entry(["--config", str(SMOKE), f"output_dir={smoke_run}",
-               *(o.replace("EXPORT", str(smoke_run / "export")) for o in overrides)])  # fmt: skip
+        entry(
+            [
+                "--config",
+                str(SMOKE),
+                f"output_dir={smoke_run}",
+                *(o.replace("EXPORT", str(smoke_run / "export")) for o in overrides),
+            ]
+        )
     assert exit_info.value.code == 2
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()

@@ -15,9 +15,16 @@ V, D, VD = 64, 32, 24
 
 def make_head(seed: int = 0, draft_vocab: int = VD) -> Eagle3Head:
     cfg = Eagle3Config(
-        hidden_size=D, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=V,
-        draft_vocab_size=draft_vocab, target_num_layers=4, tap_layers=(1, 2, 3),
-    )  # fmt: skip
+        hidden_size=D,
+        intermediate_size=48,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=V,
+        draft_vocab_size=draft_vocab,
+        target_num_layers=4,
+        tap_layers=(1, 2, 3),
+    )
     rng = np.random.default_rng(seed)  # numpy, not jax.random: no kernel to compile per weight shape
     weights = {
         name: (1 + 0.1 * rng.standard_normal(spec.shape) if name in NORMS else 0.2 * rng.standard_normal(spec.shape))

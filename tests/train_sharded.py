@@ -49,8 +49,9 @@ def main(folder: Path, steps: int, data: int, fsdp: int, tensor: int, microbatch
     print("losses", data, fsdp, tensor, compact, "split:", ",".join(split), flush=True)
     cfg, whole = train_tiny.target()
     prompts = [[1, 5, 9], [7, 3, 2, 8, 4], [11], [30, 31, 32, 33]]
-    sharded, unsharded = ([c.output_ids for c in generate(w, cfg, prompts, max_new_tokens=6).completions]
-                          for w in (loaded, whole))  # fmt: skip
+    sharded, unsharded = (
+        [c.output_ids for c in generate(w, cfg, prompts, max_new_tokens=6).completions] for w in (loaded, whole)
+    )
     assert sharded == unsharded, (sharded, unsharded)
 
 

@@ -122,9 +122,16 @@ def specjax_ar(
 ) -> Runner:
     def run(group, max_new_tokens, seed):
         out = generate(
-            model.weights, model.cfg, group, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-            eos_ids=eos, batch_size=batch_size, prefill_chunk=prefill_chunk,
-        )  # fmt: skip
+            model.weights,
+            model.cfg,
+            group,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            seed=seed,
+            eos_ids=eos,
+            batch_size=batch_size,
+            prefill_chunk=prefill_chunk,
+        )
         return [c.output_ids for c in out.completions], out.seconds
 
     return run
@@ -184,10 +191,18 @@ class SpeculativeRunner:
 
     def __call__(self, group, max_new_tokens, seed):
         out = speculative.generate(
-            self.model.weights, self.model.cfg, group, drafter=self.drafter, num_draft_tokens=self.num_draft_tokens,
-            max_new_tokens=max_new_tokens, sampling=self.sampling, seed=seed, eos_ids=self.eos,
-            batch_size=self.batch_size, prefill_chunk=self.prefill_chunk,
-        )  # fmt: skip
+            self.model.weights,
+            self.model.cfg,
+            group,
+            drafter=self.drafter,
+            num_draft_tokens=self.num_draft_tokens,
+            max_new_tokens=max_new_tokens,
+            sampling=self.sampling,
+            seed=seed,
+            eos_ids=self.eos,
+            batch_size=self.batch_size,
+            prefill_chunk=self.prefill_chunk,
+        )
         if isinstance(self.num_draft_tokens, Adaptive):
             self.num_draft_tokens = self.num_draft_tokens.learn(out.stats)
         return [c.output_ids for c in out.completions], out.seconds, out.stats
@@ -359,9 +374,16 @@ def context_cost_sweep(model: LoadedModel, batch: int) -> list[dict]:
 
 
 def engine_comparison(
-    model: LoadedModel, runners: dict, prompts: Sequence[Sequence[int]], limits: Sequence[int], slots: int,
-    sampling: SamplingConfig, eos: tuple[int, ...], prefill_chunk: int | None, seed: int,
-) -> list[dict]:  # fmt: skip
+    model: LoadedModel,
+    runners: dict,
+    prompts: Sequence[Sequence[int]],
+    limits: Sequence[int],
+    slots: int,
+    sampling: SamplingConfig,
+    eos: tuple[int, ...],
+    prefill_chunk: int | None,
+    seed: int,
+) -> list[dict]:
     """Each specjax mode over the whole prompt set with each prompt's own limit: today's static batches of `slots`
     prompts (`generate` per batch), against the engine whose slots refill as rows finish, and the engine holding
     static batches (`refill=False`) for the share of slot-rounds that rows sat finished. Compilation excluded."""
@@ -380,9 +402,18 @@ def engine_comparison(
         engines = {}
         for refill in (False, True):
             engine = Engine(
-                model.weights, model.cfg, drafter=drafter, num_draft_tokens=k, slots=slots, max_context=context,
-                sampled=not sampling.greedy, eos_ids=eos, prefill_chunk=prefill_chunk, seed=seed, refill=refill,
-            )  # fmt: skip
+                model.weights,
+                model.cfg,
+                drafter=drafter,
+                num_draft_tokens=k,
+                slots=slots,
+                max_context=context,
+                sampled=not sampling.greedy,
+                eos_ids=eos,
+                prefill_chunk=prefill_chunk,
+                seed=seed,
+                refill=refill,
+            )
             engine.generate(prompts[:slots], 2, sampling)  # compiles its programs
             engine.slot_rounds.clear()
             t0 = time.perf_counter()
@@ -390,15 +421,21 @@ def engine_comparison(
             engines[refill] = (engine, [c.output_ids for c in out], time.perf_counter() - t0)
         tokens = sum(map(len, static_ids))
         (static_engine, _, static_engine_s), (refilling, refill_ids, refill_s) = engines[False], engines[True]
-        rows.append({
-            "mode": mode, "prompts": len(prompts), "slots": slots, "tokens": tokens,
-            "static_tokens_per_s": tokens / static_s,
-            "static_engine_tokens_per_s": sum(map(len, engines[False][1])) / static_engine_s,
-            "refill_tokens_per_s": sum(map(len, refill_ids)) / refill_s,
-            "refill_vs_static": (sum(map(len, refill_ids)) / refill_s) / (tokens / static_s),
-            "idle_share_static": static_engine.idle_share(), "idle_share_refill": refilling.idle_share(),
-            "identical": (refill_ids == static_ids == engines[False][1]) if sampling.greedy else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "mode": mode,
+                "prompts": len(prompts),
+                "slots": slots,
+                "tokens": tokens,
+                "static_tokens_per_s": tokens / static_s,
+                "static_engine_tokens_per_s": sum(map(len, engines[False][1])) / static_engine_s,
+                "refill_tokens_per_s": sum(map(len, refill_ids)) / refill_s,
+                "refill_vs_static": (sum(map(len, refill_ids)) / refill_s) / (tokens / static_s),
+                "idle_share_static": static_engine.idle_share(),
+                "idle_share_refill": refilling.idle_share(),
+                "identical": (refill_ids == static_ids == engines[False][1]) if sampling.greedy else None,
+            }
+        )
     return rows
 
 
@@ -417,7 +454,7 @@ def prefill_seconds(model: LoadedModel, groups, max_new_tokens: int, prefill_chu
             jnp.ones((batch, slots), jnp.int32),
             jnp.full((batch,), min(chunks * chunk, slots), jnp.int32),
             chunk,
-        )  # fmt: skip
+        )
         for slots, chunks in sizes
     ]
     prefill_at = dict(zip(sizes, interleaved_medians(timers, reps=5)))
@@ -452,9 +489,14 @@ def add_breakdowns(
         run = runs[mode]
         mean_accepted, _ = acceptance(run.histogram)
         run.breakdown = round_breakdown(
-            ForwardCosts(forward_at[1], forward_at[verified[mode]]), sum(run.batch_seconds) / run.repeats, run.rounds,
-            mean_accepted, runner.draft_steps, drafter_s, prefill_s,
-        )  # fmt: skip
+            ForwardCosts(forward_at[1], forward_at[verified[mode]]),
+            sum(run.batch_seconds) / run.repeats,
+            run.rounds,
+            mean_accepted,
+            runner.draft_steps,
+            drafter_s,
+            prefill_s,
+        )
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
@@ -507,21 +549,26 @@ def parser() -> cli.ArgumentParser:
     cli.add_model_args(p, batch_default="1")
     cli.add_sampling_args(p)
     p.add_argument(
-        "--modes", default="ar,hf",
+        "--modes",
+        default="ar,hf",
         help=f"comma-separated, from: {', '.join(MODES)}; a speculative mode with ':auto' (e.g. ngram:auto) drafts "
         "adaptively; a chain mode with ':K' (e.g. ngram:2) drafts its own fixed K, so one run compares several",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--num-draft-tokens", type=cli.draft_tokens, default=cli.DEFAULT_DRAFT_TOKENS,
+        "--num-draft-tokens",
+        type=cli.draft_tokens,
+        default=cli.DEFAULT_DRAFT_TOKENS,
         help="K for the chain modes; 'auto': every speculative mode drafts adaptively (specjax.adaptive)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--ngram", type=cli.integer, default=DEFAULT_NGRAM, help="n-gram size of the ngram and ngram+eagle3 modes"
     )
     p.add_argument(
-        "--lookup-tokens", type=cli.integer, default=None,
+        "--lookup-tokens",
+        type=cli.integer,
+        default=None,
         help="ngram+eagle3: tokens the lookup proposes (default K); the head still drafts K",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--draft-layers", type=cli.integer, default=None, help="layers of the layerskip drafter (default L/4)"
     )
@@ -529,29 +576,38 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--tree", default=None, help=f"depth,topk,budget of the eagle3-tree mode (default {DEFAULT_TREE})")
     p.add_argument("--dflash", default=None, help="DFlash draft folder for the dflash mode")
     p.add_argument(
-        "--prompt-set", choices=tuple(PROMPT_SETS), default="humaneval",
+        "--prompt-set",
+        choices=tuple(PROMPT_SETS),
+        default="humaneval",
         help="the prompts when none are given: HumanEval's 164, specjax's 96 general-chat prompts (8 categories), or "
         "both, alternating",
-    )  # fmt: skip
+    )
     p.add_argument("--num-prompts", type=cli.integer, default=None, help="use only the first N prompts")
     p.add_argument(
-        "--repeats", type=cli.integer, default=1,
+        "--repeats",
+        type=cli.integer,
+        default=1,
         help="time every batch this many times (interleaved as before); the speedups are medians over all of them",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--forward-costs", type=cli.positive_ints, default=None, metavar="T,T,...",
+        "--forward-costs",
+        type=cli.positive_ints,
+        default=None,
+        metavar="T,T,...",
         help="also time the target forward over T tokens per row (e.g. 1,5,9,16), against one step",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--context-costs", action="store_true",
+        "--context-costs",
+        action="store_true",
         help="also time the target forward at long contexts: a step after 300 tokens in 512 and 8192 slots, a step "
         "and a 10-node tree after 4096 tokens",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--engine", action="store_true",
+        "--engine",
+        action="store_true",
         help="also decode every prompt through the engine whose --batch-size slots refill as rows finish, each prompt "
         "with a limit drawn between half --max-new-tokens and it, against static batches of the same prompts",
-    )  # fmt: skip
+    )
     p.add_argument("--out-dir", type=Path, default=Path("bench_out"), help="where the JSON, table and plot go")
     p.add_argument("--json", dest="json_out", type=Path, help="JSON path (default OUT_DIR/bench.json)")
     p.add_argument("--plot", type=Path, help="PNG path (default OUT_DIR/bench.png)")
@@ -593,10 +649,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     cli.check_memory(plan_at(None, 0), batch_size)  # the weights and the autoregressive loop, before any mode
     options = dict(
-        num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, lookup_tokens=args.lookup_tokens,
-        draft_layers=args.draft_layers, eagle3=args.eagle3, tree=args.tree, dflash=args.dflash,
-        plan_at=plan_at, prefill_chunk=args.prefill_chunk,
-    )  # fmt: skip
+        num_draft_tokens=args.num_draft_tokens,
+        ngram=args.ngram,
+        lookup_tokens=args.lookup_tokens,
+        draft_layers=args.draft_layers,
+        eagle3=args.eagle3,
+        tree=args.tree,
+        dflash=args.dflash,
+        plan_at=plan_at,
+        prefill_chunk=args.prefill_chunk,
+    )
 
     def prepare(mode: str) -> Runner:
         base, variant = drafting[mode]
@@ -644,18 +706,34 @@ def main(argv: Sequence[str] | None = None) -> None:
             model, runners, every, limits, batch_size, sampling, eos, args.prefill_chunk, args.seed
         )
     config = {
-        "model": args.model, "prompt_set": prompt_set,
-        "prompts": used, "batch_size": batch_size, "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+        "model": args.model,
+        "prompt_set": prompt_set,
+        "prompts": used,
+        "batch_size": batch_size,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
         "repeats": args.repeats,
-        "dtype": str(model.weights.embed.dtype), "quantize": args.quantize, "date": time.strftime("%Y-%m-%d"),
-        "num_draft_tokens": args.num_draft_tokens, "ngram": args.ngram, "lookup_tokens": args.lookup_tokens,
-        "draft_layers": args.draft_layers, "eagle3": args.eagle3, "tree": args.tree or DEFAULT_TREE,
-        "dflash": args.dflash, "prefill_chunk": chunk_size(args.prefill_chunk),
-        "device": jax.devices()[0].device_kind, "machine": machine(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "weight_bytes": weights, "bandwidth_bytes_per_s": bandwidth,
+        "dtype": str(model.weights.embed.dtype),
+        "quantize": args.quantize,
+        "date": time.strftime("%Y-%m-%d"),
+        "num_draft_tokens": args.num_draft_tokens,
+        "ngram": args.ngram,
+        "lookup_tokens": args.lookup_tokens,
+        "draft_layers": args.draft_layers,
+        "eagle3": args.eagle3,
+        "tree": args.tree or DEFAULT_TREE,
+        "dflash": args.dflash,
+        "prefill_chunk": chunk_size(args.prefill_chunk),
+        "device": jax.devices()[0].device_kind,
+        "machine": machine(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "weight_bytes": weights,
+        "bandwidth_bytes_per_s": bandwidth,
         "bandwidth_source": bandwidth_source,
-    }  # fmt: skip
+    }
     table = markdown_table(rows)
     if sweep:
         table += "\n| tokens per row | forward (ms, median) | target steps |\n|---:|---:|---:|\n"

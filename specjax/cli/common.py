@@ -68,37 +68,48 @@ def add_model_args(parser: argparse.ArgumentParser, batch_default: str = "all, a
     )
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument(
-        "--prompts-file", type=Path,
+        "--prompts-file",
+        type=Path,
         help='JSONL file, one {"prompt": ...} object per line, optionally with its own "max_new_tokens"',
-    )  # fmt: skip
+    )
     parser.add_argument("--raw", action="store_true", help="tokenize prompts as they are, without the chat template")
     parser.add_argument("--max-new-tokens", type=integer, default=128)
     parser.add_argument(
-        "--prefill-chunk", type=integer, default=None, metavar="N",
+        "--prefill-chunk",
+        type=integer,
+        default=None,
+        metavar="N",
         help="prompt tokens per prefill forward (default: 64 on the CPU, 512 on GPU and TPU)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--batch-size", type=integer, default=None, help=f"prompts per batch (default: {batch_default})"
     )
     parser.add_argument(
-        "--mesh", default="auto", metavar="data=D,tensor=T",
+        "--mesh",
+        default="auto",
+        metavar="data=D,tensor=T",
         help="the devices the model is split over: 'auto' (the default) uses every local device, tensor-parallel as "
         "far as the KV heads divide and the rest data-parallel; an axis left out has size 1, -1 means the rest",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
         help="weight and KV cache dtype; auto: bfloat16 on GPU and TPU, float32 on the CPU",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--quantize", choices=QUANTIZE_CHOICES, default="none",
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        default="none",
         help="int8: the target's matrices as int8 with a scale per output channel, dequantized in the matmul "
         "(weight-only; drafts stay in --dtype)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--coordinator", metavar="HOST:PORT|auto",
+        "--coordinator",
+        metavar="HOST:PORT|auto",
         help="multi-host: run the same command on every host with the coordinator's address (process 0's), or "
         "'auto' where jax.distributed finds it (TPU pods, SLURM, MPI, Kubernetes); process 0 prints and writes",
-    )  # fmt: skip
+    )
     parser.add_argument("--num-processes", type=integer, help="multi-host: the number of processes")
     parser.add_argument("--process-id", type=integer, help="multi-host: this process's index, 0 first")
 
@@ -265,10 +276,18 @@ def memory_plan_at(
 
     def plan_at(rows: int, on_mesh: dict[str, int] | None = mesh) -> MemoryPlan:
         return memory_plan(
-            model.cfg, model.weights.embed.dtype, batch=rows, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-            drafter=drafter, draft_shape=shape, target_weights=model.weights, mesh=on_mesh,
-            quantize=quantization(model.weights), prefill_chunk=prefill_chunk,
-        )  # fmt: skip
+            model.cfg,
+            model.weights.embed.dtype,
+            batch=rows,
+            prompt_len=prompt_len,
+            max_new_tokens=max_new_tokens,
+            drafter=drafter,
+            draft_shape=shape,
+            target_weights=model.weights,
+            mesh=on_mesh,
+            quantize=quantization(model.weights),
+            prefill_chunk=prefill_chunk,
+        )
 
     return plan_at
 

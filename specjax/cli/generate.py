@@ -34,35 +34,46 @@ def parser() -> cli.ArgumentParser:
     cli.add_sampling_args(p)
     p.add_argument("--drafter", default="none", help=f"speculative drafter: {SPEC_HELP}")
     p.add_argument(
-        "--num-draft-tokens", type=cli.draft_tokens, default="auto",
+        "--num-draft-tokens",
+        type=cli.draft_tokens,
+        default="auto",
         help="K, draft tokens per round (with --drafter); 'auto' (the default): every round picks its draft size, "
         "plain decoding included, from this machine's measured costs and the acceptance so far",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--lookup-tokens", type=cli.integer, default=None,
+        "--lookup-tokens",
+        type=cli.integer,
+        default=None,
         help="with --drafter ngram+SPEC: tokens the lookup proposes (default K); SPEC still drafts K",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--compare-ar", action="store_true",
+        "--compare-ar",
+        action="store_true",
         help="also decode the same prompts autoregressively and report the speedup (with --drafter)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--tree", default=None, metavar="DEPTH,TOPK,BUDGET",
+        "--tree",
+        default=None,
+        metavar="DEPTH,TOPK,BUDGET",
         help="with --drafter eagle3:PATH: draft a dynamic tree (BUDGET nodes including the root) instead of a chain",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--num-samples", type=cli.integer, default=1,
+        "--num-samples",
+        type=cli.integer,
+        default=1,
         help="N samples of each prompt, decoded in one batch whose N rows share the prompt's prefill",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--stream", action="store_true",
+        "--stream",
+        action="store_true",
         help="print the tokens of one prompt as the rounds accept them (through the engine: specjax.decoding.engine)",
-    )  # fmt: skip
+    )
     p.add_argument("--json", dest="json_out", help="write the results to this JSON file")
     p.add_argument(
-        "--plan", action="store_true",
+        "--plan",
+        action="store_true",
         help="print the run's memory plan (weights, KV cache, drafter, activations) and the device's memory, then exit",
-    )  # fmt: skip
+    )
     return p
 
 
@@ -76,8 +87,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     json_out = cli.check_output_file(args.json_out) if args.json_out else None
     requests = cli.gather_requests(args, default=[DEFAULT_PROMPT])
     if args.stream and (len(requests) > 1 or args.num_samples > 1 or args.compare_ar or json_out or args.plan):
-        raise InputError("--stream prints one prompt as it is decoded: give one prompt, without --num-samples, "
-                         "--compare-ar, --json or --plan")  # fmt: skip
+        raise InputError(
+            "--stream prints one prompt as it is decoded: give one prompt, without --num-samples, "
+            "--compare-ar, --json or --plan"
+        )
     prompts, limits = [p for p, _ in requests], [n for _, n in requests]
     tree = TreeSpec.parse(args.tree) if args.tree is not None else None
     model = cli.load_target(args)
@@ -150,9 +163,14 @@ def in_batches(model, drafter, verified, prompts, prompt_ids, limits, sampling, 
     for start in range(0, len(prompts), per_call):
         group = prompt_ids[start : start + per_call]
         kw = dict(
-            max_new_tokens=limits[start : start + per_call], sampling=sampling, seed=args.seed + start, eos_ids=eos,
-            batch_size=per_call, num_samples=samples, prefill_chunk=args.prefill_chunk,
-        )  # fmt: skip
+            max_new_tokens=limits[start : start + per_call],
+            sampling=sampling,
+            seed=args.seed + start,
+            eos_ids=eos,
+            batch_size=per_call,
+            num_samples=samples,
+            prefill_chunk=args.prefill_chunk,
+        )
         if drafter is None:
             out = generate(model.weights, model.cfg, group, **kw)
             spec_stats = {}
@@ -218,10 +236,17 @@ def through_engine(model, drafter, verified, prompts, prompt_ids, limits, sampli
 
     def decode(drafter, desc):
         engine = Engine(
-            model.weights, model.cfg, drafter=drafter, num_draft_tokens=verified, slots=slots,
-            max_context=max(len(p) + n for p, n in zip(prompt_ids, limits)), sampled=not sampling.greedy,
-            eos_ids=model.eos_ids, prefill_chunk=args.prefill_chunk, seed=args.seed,
-        )  # fmt: skip
+            model.weights,
+            model.cfg,
+            drafter=drafter,
+            num_draft_tokens=verified,
+            slots=slots,
+            max_context=max(len(p) + n for p, n in zip(prompt_ids, limits)),
+            sampled=not sampling.greedy,
+            eos_ids=model.eos_ids,
+            prefill_chunk=args.prefill_chunk,
+            seed=args.seed,
+        )
         ids = [engine.submit(p, n, sampling) for p, n in zip(prompt_ids, limits)]
         done, t0, compiling = {}, time.perf_counter(), engine.compile_seconds
 
@@ -260,7 +285,7 @@ def through_engine(model, drafter, verified, prompts, prompt_ids, limits, sampli
                 "tokens_per_s": len(c.output_ids) / t,
                 **run_stats,
             },
-        }  # fmt: skip
+        }
         for prompt, (c, t) in zip(prompts, out)
     ]
     if speaks and not args.json_out:
@@ -288,10 +313,17 @@ def print_comparison(stats: dict, how: str) -> None:
 def stream(model, drafter, num_draft_tokens, prompt: str, ids: list[int], limit: int, sampling, args) -> None:
     """Decodes one prompt through a one-slot engine, a round at a time, printing its text as it grows."""
     engine = Engine(
-        model.weights, model.cfg, drafter=drafter, num_draft_tokens=num_draft_tokens, slots=1,
-        max_context=len(ids) + limit, sampled=not sampling.greedy, eos_ids=model.eos_ids,
-        prefill_chunk=args.prefill_chunk, seed=args.seed,
-    )  # fmt: skip
+        model.weights,
+        model.cfg,
+        drafter=drafter,
+        num_draft_tokens=num_draft_tokens,
+        slots=1,
+        max_context=len(ids) + limit,
+        sampled=not sampling.greedy,
+        eos_ids=model.eos_ids,
+        prefill_chunk=args.prefill_chunk,
+        seed=args.seed,
+    )
     engine.submit(ids, limit, sampling)
     print(f"\n>>> {prompt}")
     out, shown, completion = [], "", None

@@ -24,14 +24,18 @@ def parser() -> cli.ArgumentParser:
     cli.add_model_args(p, batch_default="8")
     p.add_argument("--drafter", default="none", help=f"speculative drafter: {SPEC_HELP}")
     p.add_argument(
-        "--num-draft-tokens", type=cli.draft_tokens, default="auto",
+        "--num-draft-tokens",
+        type=cli.draft_tokens,
+        default="auto",
         help="K, draft tokens per round (with --drafter); 'auto': adaptive drafting from this machine's costs",
-    )  # fmt: skip
+    )
     p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,BUDGET", help="with --drafter eagle3:PATH: a tree")
     p.add_argument(
-        "--max-context", type=cli.integer, default=None,
+        "--max-context",
+        type=cli.integer,
+        default=None,
         help="the longest prompt + max_tokens a request may ask for (default: the model's length, at most 4096)",
-    )  # fmt: skip
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients name (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=cli.integer, default=8000)
@@ -57,14 +61,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=load_draft, tree=tree)
     slots = args.batch_size or 8
     drafter, k = cli.fixed_drafting(model, drafter, args.num_draft_tokens, None)
-    cli.check_memory(cli.memory_plan_at(model, drafter, k, context // 2, context - context // 2, args.prefill_chunk),
-                     slots)  # fmt: skip
+    cli.check_memory(
+        cli.memory_plan_at(model, drafter, k, context // 2, context - context // 2, args.prefill_chunk), slots
+    )
     if k == "auto" and drafter is not None:
         k = cli.adaptive_drafting(model, drafter, SamplingConfig(temperature=1.0), slots)
     engine = Engine(
-        model.weights, model.cfg, drafter=drafter, num_draft_tokens=k if drafter is not None else 1, slots=slots,
-        max_context=context, sampled=True, eos_ids=model.eos_ids, prefill_chunk=args.prefill_chunk,
-    )  # fmt: skip
+        model.weights,
+        model.cfg,
+        drafter=drafter,
+        num_draft_tokens=k if drafter is not None else 1,
+        slots=slots,
+        max_context=context,
+        sampled=True,
+        eos_ids=model.eos_ids,
+        prefill_chunk=args.prefill_chunk,
+    )
     name = args.served_model_name or args.model
     status(f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots of {engine.num_slots} tokens)")
     app = build_app(engine, model.tokenizer, name, default_max_tokens=args.max_new_tokens)

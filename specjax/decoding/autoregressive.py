@@ -163,8 +163,14 @@ def generate(
       A GenerateResult with num_samples Completions per prompt (adjacent), in prompt order.
     """
     req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples, seed)
-    args = (weights, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jnp.asarray(req.max_new), req.keys,
-            req.sampling)  # fmt: skip
+    args = (
+        weights,
+        jnp.asarray(req.tokens),
+        jnp.asarray(req.lengths),
+        jnp.asarray(req.max_new),
+        req.keys,
+        req.sampling,
+    )
     static = dict(cfg=cfg, eos_ids=req.eos, num_samples=num_samples, prefill_chunk=chunk_size(prefill_chunk))
     args = on_mesh(args)
     executable, compile_seconds = compiled(decode, args, static)

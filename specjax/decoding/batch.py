@@ -123,9 +123,15 @@ def prepare_batch(
     rows = batch * num_samples
     max_new = np.repeat(np.array(limits + limits[:1] * (batch - len(prompts)), np.int32), num_samples)
     return Request(
-        tokens, lengths, max_new, eos, Sampling.of(sampling, rows), row_keys(seed, len(prompts), batch, num_samples),
-        np.arange(rows) < len(prompts) * num_samples, [p for p in prompts for _ in range(num_samples)],
-    )  # fmt: skip
+        tokens,
+        lengths,
+        max_new,
+        eos,
+        Sampling.of(sampling, rows),
+        row_keys(seed, len(prompts), batch, num_samples),
+        np.arange(rows) < len(prompts) * num_samples,
+        [p for p in prompts for _ in range(num_samples)],
+    )
 
 
 SEED_END = 2**63  # JAX's PRNG takes a 64-bit seed

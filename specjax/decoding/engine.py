@@ -99,9 +99,21 @@ def begin(weights, drafter, policy, tokens_1s, length_1, max_new_1, sampling_1, 
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("prefilled",))
 def prefill(
-    weights, drafter, policy, prefilled, tokens_1s, length_1, max_new_1, sampling_1, first, end, *, cfg, eos_ids,
+    weights,
+    drafter,
+    policy,
+    prefilled,
+    tokens_1s,
+    length_1,
+    max_new_1,
+    sampling_1,
+    first,
+    end,
+    *,
+    cfg,
+    eos_ids,
     prefill_chunk,
-):  # fmt: skip
+):
     """Chunks `first` to `end` (exclusive) of a new request's prompt [1, S] of `length_1` tokens."""
     loop = _loop(weights, drafter, policy, sampling_1, max_new_1, cfg, eos_ids, prefill_chunk)
     return speculative.prefill_chunks(loop, prefilled, tokens_1s, length_1, 1, first, end)
@@ -109,9 +121,23 @@ def prefill(
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
 def insert(
-    weights, drafter, policy, state, prefilled, tokens_1s, length_1, max_new_1, key_data_1, fold_1, sampling_1, row,
-    *, cfg, eos_ids, prefill_chunk,
-):  # fmt: skip
+    weights,
+    drafter,
+    policy,
+    state,
+    prefilled,
+    tokens_1s,
+    length_1,
+    max_new_1,
+    key_data_1,
+    fold_1,
+    sampling_1,
+    row,
+    *,
+    cfg,
+    eos_ids,
+    prefill_chunk,
+):
     """`state` with slot `row` holding a new request whose every chunk is prefilled: its first token sampled, its
     fresh row (cache, drafter and policy state) written over the slot. The row draws from its key, `fold_in(key_data_1,
     fold_1)` [1], from then on.
@@ -222,9 +248,10 @@ class Engine:
         self.cfg, self.slots, self.sampled, self.refill = cfg, slots, sampled, refill
         self.num_slots = num_slots(cfg, max_context)
         self.static = dict(
-            cfg=cfg, eos_ids=tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids)),
+            cfg=cfg,
+            eos_ids=tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids)),
             prefill_chunk=chunk_size(prefill_chunk),
-        )  # fmt: skip
+        )
         self.model = on_mesh((weights, drafter, policy))
         self._seed_key = np.asarray(jax.random.key_data(row_keys([seed], 1, 1)))
         self.compile_seconds = 0.0  # spent compiling this engine's programs
@@ -368,9 +395,17 @@ class Engine:
             key_data, fold = p.request.key
             tokens, length, max_new, sampling = p.inputs
             self.state = self._call(
-                insert, self.state, p.prefilled, tokens, length, max_new, key_data, np.array([fold], np.int32),
-                sampling, np.int32(p.slot),
-            )  # fmt: skip
+                insert,
+                self.state,
+                p.prefilled,
+                tokens,
+                length,
+                max_new,
+                key_data,
+                np.array([fold], np.int32),
+                sampling,
+                np.int32(p.slot),
+            )
             self._rows[p.slot], self._prefill = p.request, None
 
     def _begin(self, r: _Request, slot: int) -> _Prefill:

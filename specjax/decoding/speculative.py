@@ -120,9 +120,14 @@ def start(loop: Loop, tokens_up, lengths_u, keys_b, active_b, num_samples: int) 
     it: the first sampled one. The three steps are apart so that a prefill can run a few chunks at a time
     (`specjax.decoding.engine`)."""
     prefilled = prefill_chunks(
-        loop, begin_prefill(loop, tokens_up, lengths_u, num_samples), tokens_up, lengths_u, num_samples, 0,
+        loop,
+        begin_prefill(loop, tokens_up, lengths_u, num_samples),
+        tokens_up,
+        lengths_u,
+        num_samples,
+        0,
         num_chunks(lengths_u, chunk_size(loop.prefill_chunk, tokens_up.shape[1])),
-    )  # fmt: skip
+    )
     return after_prefill(loop, prefilled, tokens_up, lengths_u, keys_b, active_b, num_samples)
 
 
@@ -158,9 +163,17 @@ def prefill_chunks(loop: Loop, prefilled: tuple, tokens_up, lengths_u, num_sampl
 
     tokens_up = constrain(tokens_up, ("batch", None))  # rows over the data axis of a mesh
     return llama.prefill_chunks(
-        loop.weights, loop.cfg, tokens_up, lengths_u, prefilled, first, end, C, loop.drafter.traits.tap_layers,
+        loop.weights,
+        loop.cfg,
+        tokens_up,
+        lengths_u,
+        prefilled,
+        first,
+        end,
+        C,
+        loop.drafter.traits.tap_layers,
         commit_chunk,
-    )  # fmt: skip
+    )
 
 
 def after_prefill(loop: Loop, prefilled: tuple, tokens_up, lengths_u, keys_b, active_b, num_samples: int):
@@ -218,9 +231,14 @@ def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Arra
     # Verify.
     taps = loop.drafter.traits.tap_layers
     logits, taps_btf, k_new, v_new = forward_new_kv(
-        loop.weights, loop.cfg, draft.tokens, (s.length_b - 1)[:, None] + draft.depths, s.cache,
-        new_mask_btt=None if shape.is_chain else draft.ancestors, tap_layers=taps,
-    )  # fmt: skip
+        loop.weights,
+        loop.cfg,
+        draft.tokens,
+        (s.length_b - 1)[:, None] + draft.depths,
+        s.cache,
+        new_mask_btt=None if shape.is_chain else draft.ancestors,
+        tap_layers=taps,
+    )
 
     # Accept: n drafts along one path, then the target's token. A chain's path is its nodes 0..n, in place.
     n, nxt, last = accept(accept_keys_b, draft, logits, loop.sampling)
@@ -428,13 +446,30 @@ def generate(
     depths = menu_depths(drafter, policy.menu)
     if policy.never_drafts(depths):
         plain = plain_generate(
-            weights, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
-            batch_size=batch_size, num_samples=num_samples, prefill_chunk=prefill_chunk,
-        )  # fmt: skip
+            weights,
+            cfg,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            seed=seed,
+            eos_ids=eos_ids,
+            batch_size=batch_size,
+            num_samples=num_samples,
+            prefill_chunk=prefill_chunk,
+        )
         return as_plain_rounds(plain, policy.menu, max(depths), prefilled_tokens(prompts, prefill_chunk))
     req = prepare_batch(cfg, prompts, max_new_tokens, eos_ids, batch_size, sampling, num_samples, seed)
-    args = (weights, drafter, policy, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jnp.asarray(req.max_new),
-            req.keys, req.sampling, jnp.asarray(req.active))  # fmt: skip
+    args = (
+        weights,
+        drafter,
+        policy,
+        jnp.asarray(req.tokens),
+        jnp.asarray(req.lengths),
+        jnp.asarray(req.max_new),
+        req.keys,
+        req.sampling,
+        jnp.asarray(req.active),
+    )
     static = dict(cfg=cfg, eos_ids=req.eos, num_samples=num_samples, prefill_chunk=chunk_size(prefill_chunk))
     args = on_mesh(args)
     executable, compile_seconds = compiled(speculative_decode, args, static)

@@ -81,9 +81,18 @@ class DFlashDrafter(ChainDrafter):
         Bs, B = self.cfg.block_size, pending_b.shape[0]
         ids, positions = block_inputs(self.cfg, cache.lengths[:, None], pending_b[:, None])
         h = block_hidden(
-            self.weights, self.cfg, self.embed_vd, ids, positions, cache.k, cache.v, slots_below(cache.lengths),
-            jnp.ones((B, Bs, Bs), bool), out_rows=slice(1, num_rows + 1), ctx_live=jnp.max(cache.lengths),
-        )  # fmt: skip
+            self.weights,
+            self.cfg,
+            self.embed_vd,
+            ids,
+            positions,
+            cache.k,
+            cache.v,
+            slots_below(cache.lengths),
+            jnp.ones((B, Bs, Bs), bool),
+            out_rows=slice(1, num_rows + 1),
+            ctx_live=jnp.max(cache.lengths),
+        )
         return draft_logits(self.scored_vd, h)
 
     def propose_chain(

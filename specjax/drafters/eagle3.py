@@ -157,9 +157,15 @@ class Eagle3Drafter(ChainDrafter):
         last = cache.lengths - 1
         k_last, v_last = (get_rows(x[0], last)[:, None].astype(state.q_bnh.dtype) for x in (cache.k, cache.v))
         logits, g = self.head.attend_and_read(
-            state.q_bnh[:, None], state.g_bd[:, None], cache, k_last, v_last, jnp.ones((B, 1, 1), bool),
-            slots_below(last), jnp.max(last),
-        )  # fmt: skip
+            state.q_bnh[:, None],
+            state.g_bd[:, None],
+            cache,
+            k_last,
+            v_last,
+            jnp.ones((B, 1, 1), bool),
+            slots_below(last),
+            jnp.max(last),
+        )
         return logits[:, 0], g[:, 0]
 
     def propose_chain(
@@ -232,9 +238,15 @@ class Eagle3Drafter(ChainDrafter):
             return logits, (cache, node_out)
 
         tree, (cache, _) = grow_tree(
-            keys_b, pending_b, root_logits_bv, expand, (state.cache, node_out), shape, sampling,
+            keys_b,
+            pending_b,
+            root_logits_bv,
+            expand,
+            (state.cache, node_out),
+            shape,
+            sampling,
             vocab_ids=head.target_ids_of_draft_vocab(),
-        )  # fmt: skip
+        )
         return tree, dataclasses.replace(state, cache=cache)
 
 

@@ -71,9 +71,12 @@ def load_dflash(
         )
     weights = jax.tree.map(lambda w: jnp.asarray(w, dtype), host)
     return cfg, DFlashWeights(
-        weights.fc, weights.hidden_norm, weights.layers, weights.norm,
+        weights.fc,
+        weights.hidden_norm,
+        weights.layers,
+        weights.norm,
         None if vocab_ids is None else jnp.asarray(vocab_ids, jnp.int32),
-    )  # fmt: skip
+    )
 
 
 def dflash_to_hf(cfg: DFlashConfig, weights: DFlashWeights) -> dict[str, np.ndarray]:

@@ -70,9 +70,18 @@ def tiny_random_model(dtype=jnp.float32, mesh: MeshChoice = None, quantize: str 
         load_model("smollm2-135m")  # converts the GGUF, which holds the tokenizer
     tokenizer = Tokenizer.from_folder(folder)
     cfg = ModelConfig(
-        "llama", tokenizer.vocab_size, 64, 128, 4, 4, 2, 16, max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
-    )  # fmt: skip
+        "llama",
+        tokenizer.vocab_size,
+        64,
+        128,
+        4,
+        4,
+        2,
+        16,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
     weights = quantize_weights(init_weights(cfg, jax.random.key(0), dtype, scale=0.1), quantize)
     on = mesh_for(mesh, cfg.num_kv_heads)
     return LoadedModel(cfg, weights if on is None else shard_weights(weights, cfg, on), tokenizer, TINY_RANDOM)

@@ -120,6 +120,8 @@ def calibrated(
     cost = non_decreasing([s / timed["step_s"] for s in timed["round_s"]])
     keep = useful_entries(menu, menu_depths(drafter, menu), cost)
     return Adaptive.of(
-        [menu[i] for i in keep], [cost[i] for i in keep], regimes=drafter.traits.regimes,
+        [menu[i] for i in keep],
+        [cost[i] for i in keep],
+        regimes=drafter.traits.regimes,
         clock=(timed["step_s"], timed["prefill_token_s"]),
-    )  # fmt: skip
+    )

@@ -173,9 +173,14 @@ def memory_plan(
         return MemoryPlan(batch, slots, (), weight_bytes(cfg, dtype, quantize=quantize), kv, drafter_bytes, activations)
     kv_split = shard_fraction(CACHE_AXES, cache_shape, mesh)
     return MemoryPlan(
-        batch, slots, tuple(mesh.items()), weight_bytes(cfg, dtype, mesh, quantize), kv // kv_split, drafter_bytes,
+        batch,
+        slots,
+        tuple(mesh.items()),
+        weight_bytes(cfg, dtype, mesh, quantize),
+        kv // kv_split,
+        drafter_bytes,
         activations,
-    )  # fmt: skip
+    )
 
 
 def _drafter_state_and_work(

@@ -192,8 +192,9 @@ def cache_partials(counts, lows, layer, q, first, k, v, *, size: int, dtype) -> 
     B, K, R, H = q.shape
     S = k.shape[2]
 
-    def kernel(counts_ref, lows_ref, layer_ref, q_ref, first_ref, k_ref, v_ref, m_out, l_out, acc_out, m_ref, l_ref,
-               acc_ref):  # fmt: skip
+    def kernel(
+        counts_ref, lows_ref, layer_ref, q_ref, first_ref, k_ref, v_ref, m_out, l_out, acc_out, m_ref, l_ref, acc_ref
+    ):
         b, j = pl.program_id(0), pl.program_id(1)
         count = counts_ref[b]
 

@@ -84,10 +84,19 @@ class DFlashConfig:
         """A draft as wide as `target`, with its attention shape and rotary settings."""
         ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
         layers = ModelConfig(
-            "qwen3", target.vocab_size, target.hidden_size, target.intermediate_size, num_layers, target.num_heads,
-            target.num_kv_heads, target.head_dim, target.rms_norm_eps, target.rope_theta, target.rope_scaling,
+            "qwen3",
+            target.vocab_size,
+            target.hidden_size,
+            target.intermediate_size,
+            num_layers,
+            target.num_heads,
+            target.num_kv_heads,
+            target.head_dim,
+            target.rms_norm_eps,
+            target.rope_theta,
+            target.rope_scaling,
             qk_norm=True,
-        )  # fmt: skip
+        )
         return cls(layers, block_size, mask_token_id, tuple(ids), target.num_layers)
 
     def check_target(self, target: ModelConfig) -> None:

@@ -42,9 +42,19 @@ from specjax.sharding import DEFAULT_RULES, constrain, named_sharding
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # What a head shaped like one layer of its target takes from the target's config (`Eagle3Config.default_for`).
 LAYER_FIELDS = (
-    "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "rms_norm_eps",
-    "rope_theta", "rope_scaling", "max_position_embeddings", "bos_token_id", "eos_token_ids",
-)  # fmt: skip
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "bos_token_id",
+    "eos_token_ids",
+)
 
 
 def default_tap_layers(num_target_layers: int) -> tuple[int, int, int]:

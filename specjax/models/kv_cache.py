@@ -50,9 +50,12 @@ class KVCache:
 
         def write(cache_lbskh, new_lbtkh):
             return jax.lax.scatter(
-                cache_lbskh, slots_bt[..., None], new_lbtkh.astype(cache_lbskh.dtype), numbers,
+                cache_lbskh,
+                slots_bt[..., None],
+                new_lbtkh.astype(cache_lbskh.dtype),
+                numbers,
                 mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-            )  # fmt: skip
+            )
 
         return dataclasses.replace(self, k=write(self.k, k_new), v=write(self.v, v_new))
 

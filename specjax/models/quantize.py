@@ -28,9 +28,16 @@ QUANTIZE_CHOICES = ("none", "int8")
 LAYER_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 # The contracted (input) axes of each quantizable matrix, counted from the end (the same with or without the L axis).
 CONTRACTED = {
-    "q": (-3,), "k": (-3,), "v": (-3,), "o": (-3, -2), "gate": (-2,), "up": (-2,), "down": (-2,),
-    "lm_head": (-2,), "embed": (-1,),
-}  # fmt: skip
+    "q": (-3,),
+    "k": (-3,),
+    "v": (-3,),
+    "o": (-3, -2),
+    "gate": (-2,),
+    "up": (-2,),
+    "down": (-2,),
+    "lm_head": (-2,),
+    "embed": (-1,),
+}
 
 
 @jax.tree_util.register_dataclass

@@ -19,8 +19,16 @@ from specjax.train.prompts import builtin_prompts
 
 Conversation = list[dict[str, str]]
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt":
-                   "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}  # fmt: skip
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "system": "system",
+}
 _ROLES = {"user", "assistant", "system"}
 
 

@@ -150,9 +150,13 @@ def respond(
     def target_reply(prompts, sampling, seeds, done):
         if sampling.greedy not in engines:
             engines[sampling.greedy] = Engine(
-                model.weights, model.cfg, slots=data.batch_size, sampled=not sampling.greedy, eos_ids=model.eos_ids,
+                model.weights,
+                model.cfg,
+                slots=data.batch_size,
+                sampled=not sampling.greedy,
+                eos_ids=model.eos_ids,
                 max_context=min(data.max_prompt_tokens + data.max_new_tokens, model.cfg.max_position_embeddings),
-            )  # fmt: skip
+            )
         engine, out = engines[sampling.greedy], {}
         ids = [engine.submit(p, data.max_new_tokens, sampling, seed=s) for p, s in zip(prompts, seeds)]
         for event in engine.events():
@@ -204,11 +208,18 @@ def respond(
 
 
 def _unit_key(target: str, unit: Sequence[Conversation], data: DataSection, sampling: SamplingConfig, seed: int):
-    return content_key({
-        "kind": "responses", "target": target, "conversations": list(unit), "regenerate": data.regenerate,
-        "sampling": [sampling.temperature, sampling.top_k, sampling.top_p], "seed": seed,
-        "max_prompt_tokens": data.max_prompt_tokens, "max_new_tokens": data.max_new_tokens,
-    })  # fmt: skip
+    return content_key(
+        {
+            "kind": "responses",
+            "target": target,
+            "conversations": list(unit),
+            "regenerate": data.regenerate,
+            "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
+            "seed": seed,
+            "max_prompt_tokens": data.max_prompt_tokens,
+            "max_new_tokens": data.max_new_tokens,
+        }
+    )
 
 
 def _write_shard(model, unit, data, sampling, seed, store: Store, key: str, progress=lambda n: None) -> None:
@@ -291,14 +302,24 @@ def regenerate(model: LoadedModel, data: DataSection, folder: Path, store_root: 
         "python": sys.version.split()[0],
     }
     write_file(folder / "manifest.json", json.dumps(manifest, indent=1))
-    print(f"regenerate: {sizes['samples']} samples, {sizes['tokens']} assistant tokens in {len(shards)} shards",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"regenerate: {sizes['samples']} samples, {sizes['tokens']} assistant tokens in {len(shards)} shards",
+        file=sys.stderr,
+    )
 
 
 def _source_shards(model: LoadedModel, data: DataSection, held_out_names: set[str], store: Store, target: str):
     """Shards of standard-library source answers (question ids, answer ids) holding `data.source_tokens` tokens."""
-    key = content_key({"kind": "source", "target": target, "tokens": data.source_tokens, "seed": data.seed,
-                       "python": sys.version.split()[0], "held_out": sorted(held_out_names)})  # fmt: skip
+    key = content_key(
+        {
+            "kind": "source",
+            "target": target,
+            "tokens": data.source_tokens,
+            "seed": data.seed,
+            "python": sys.version.split()[0],
+            "held_out": sorted(held_out_names),
+        }
+    )
     if not store.has(key):
         tok, samples, total = model.tokenizer, [], 0
         for question, answer in stdlib_source_answers(held_out_names | humaneval_entry_points(), data.seed):

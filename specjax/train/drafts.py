@@ -52,8 +52,17 @@ class Eagle3Training:
         D = self.target_cfg.hidden_size
         logits = lm_logits(target_weights, self.target_cfg, features[..., -D:], head.target_ids_of_draft_vocab())
         t = self.training
-        return ttt_loss(head, target_weights.embed, rows, features[..., :-D], logits, t.ttt_length, t.step_decay,
-                        remat=t.remat, counts=totals)  # fmt: skip
+        return ttt_loss(
+            head,
+            target_weights.embed,
+            rows,
+            features[..., :-D],
+            logits,
+            t.ttt_length,
+            t.step_decay,
+            remat=t.remat,
+            counts=totals,
+        )
 
     def export(self, params) -> Eagle3Head:
         return self.head(params)
@@ -82,13 +91,30 @@ class DFlashTraining:
     def totals(self, rows: dict) -> None:
         """None: a DFlash step is one batch (training.grad_accumulation is EAGLE-3's)."""
 
-    def loss(self, params: DFlashWeights, target_weights: Weights, rows: dict, features: jax.Array, step: jax.Array,
-             totals: None):  # fmt: skip
+    def loss(
+        self,
+        params: DFlashWeights,
+        target_weights: Weights,
+        rows: dict,
+        features: jax.Array,
+        step: jax.Array,
+        totals: None,
+    ):
         D = self.target_cfg.hidden_size
         w = dataclasses.replace(params, vocab_ids=None if self.vocab_ids is None else jnp.asarray(self.vocab_ids))
         anchors, ok = pick_anchors(rows, jax.random.fold_in(jax.random.key(self.seed), step), self.section.num_anchors)
-        return block_loss(w, self.cfg, target_weights.embed, head_rows(target_weights), jnp.asarray(self.draft_index),
-                          rows, features[..., :-D], anchors, ok, self.section.loss_decay)  # fmt: skip
+        return block_loss(
+            w,
+            self.cfg,
+            target_weights.embed,
+            head_rows(target_weights),
+            jnp.asarray(self.draft_index),
+            rows,
+            features[..., :-D],
+            anchors,
+            ok,
+            self.section.loss_decay,
+        )
 
     def export(self, params: DFlashWeights) -> tuple[DFlashConfig, DFlashWeights]:
         ids = None if self.vocab_ids is None else jnp.asarray(self.vocab_ids)

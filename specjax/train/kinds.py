@@ -89,9 +89,13 @@ def _eagle3_fresh(draft_cfg: Eagle3Config, seed: int, d2t: np.ndarray, t2d: np.n
 def _eagle3_drafters(head: Eagle3Head, target: Weights) -> list[EvaluationDrafter]:
     return [
         ("chain", f"K={EVAL_DRAFT_TOKENS}", Eagle3Drafter.create(head, target.embed, None), EVAL_DRAFT_TOKENS),
-        ("tree", f"tree {EVAL_TREE}", Eagle3Drafter.create(head, target.embed, TreeSpec.parse(EVAL_TREE)),
-         EVAL_DRAFT_TOKENS),
-    ]  # fmt: skip
+        (
+            "tree",
+            f"tree {EVAL_TREE}",
+            Eagle3Drafter.create(head, target.embed, TreeSpec.parse(EVAL_TREE)),
+            EVAL_DRAFT_TOKENS,
+        ),
+    ]
 
 
 def _eagle3_card(cfg: TrainConfig, head_cfg: Eagle3Config, covers: str, taps: str) -> list[str]:
@@ -114,8 +118,17 @@ EAGLE3 = DraftKind(
     name="eagle3",
     section=None,
     draft_config=_eagle3_config,
-    shape_fields=("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "draft_vocab_size",
-                  "tap_layers", "norm_output", "norm_before_residual"),
+    shape_fields=(
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "draft_vocab_size",
+        "tap_layers",
+        "norm_output",
+        "norm_before_residual",
+    ),
     fresh=_eagle3_fresh,
     load=lambda folder, target_cfg: load_eagle3(folder, target_cfg)[1],
     config=lambda head: head.cfg,
@@ -133,7 +146,7 @@ EAGLE3 = DraftKind(
         "- the loss mask is shifted together with the labels (a row counts when the token it predicts is",
         "  assistant content); the EAGLE and SpecForge trainers leave it unshifted",
     ),
-)  # fmt: skip
+)
 
 
 # -- DFlash: a block-diffusion draft under the block loss, exported in the published DFlash layout ----------------
@@ -204,8 +217,14 @@ DFLASH = DraftKind(
     name="dflash",
     section="dflash",
     draft_config=_dflash_config,
-    shape_fields=("block_size", "mask_token_id", "target_layer_ids", "layers.num_layers", "layers.intermediate_size",
-                  "draft_vocab_size"),
+    shape_fields=(
+        "block_size",
+        "mask_token_id",
+        "target_layer_ids",
+        "layers.num_layers",
+        "layers.intermediate_size",
+        "draft_vocab_size",
+    ),
     fresh=_dflash_fresh,
     load=load_dflash,
     config=lambda draft: draft[0],
@@ -220,7 +239,7 @@ DFLASH = DraftKind(
     card_objective=_dflash_objective,
     card_source_labels="their own tokens the labels",
     card_notes=(),
-)  # fmt: skip
+)
 
 DRAFT_KINDS = {kind.name: kind for kind in (EAGLE3, DFLASH)}
 assert DRAFT_KINDS.keys() == DRAFTERS.keys(), "specjax/train/config.py's DRAFTERS names the kinds of DRAFT_KINDS"

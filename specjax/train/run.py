@@ -61,9 +61,19 @@ _DATA_SECTIONS = ("model", "data")
 # state carries over), where the stored features are read, and how a step is computed (remat, microbatches, dtype).
 # Everything else in `training`, `mesh` and the kinds' own sections shapes the state or the data order.
 RESUMABLE_TRAINING_KEYS = (
-    "steps", "stop_after", "epochs", "learning_rate", "warmup_steps", "final_lr_ratio", "grad_clip", "weight_decay",
-    "features_dir", "remat", "grad_accumulation", "compute_dtype",
-)  # fmt: skip
+    "steps",
+    "stop_after",
+    "epochs",
+    "learning_rate",
+    "warmup_steps",
+    "final_lr_ratio",
+    "grad_clip",
+    "weight_decay",
+    "features_dir",
+    "remat",
+    "grad_accumulation",
+    "compute_dtype",
+)
 _TRAIN_SECTIONS = ("training", "mesh", *(kind.section for kind in DRAFT_KINDS.values() if kind.section))
 
 
@@ -118,8 +128,10 @@ def initial_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[Any, Any]:
     found, want = kind.config(draft), kind.draft_config(cfg, model.cfg)
 
     def shape(config, draft_vocab: int) -> dict:  # the draft vocabulary: a field of EAGLE-3's config, not DFlash's
-        return {name: draft_vocab if name == "draft_vocab_size" else operator.attrgetter(name)(config)
-                for name in kind.shape_fields}  # fmt: skip
+        return {
+            name: draft_vocab if name == "draft_vocab_size" else operator.attrgetter(name)(config)
+            for name in kind.shape_fields
+        }
 
     have, need = shape(found, kind.vocab_size(draft, model.cfg)), shape(want, cfg.model.draft_vocab_size)
     differ = [f"{name} {have[name]} (run: {need[name]})" for name in have if have[name] != need[name]]
@@ -254,10 +266,17 @@ def stage_train(cfg: TrainConfig, model: LoadedModel) -> None:
         keep = nested_subset(len(rows["tokens"]), t.data_fraction, t.seed)
         rows = {key: value[keep] for key, value in rows.items()}
     if jax.process_index() == 0:  # what the draft is trained on, for the scaling curve
-        write_file(cfg.output_path / "training_rows.json", json.dumps({
-            "data_fraction": t.data_fraction, "rows": len(rows["tokens"]),
-            "samples": int(rows["segments"].max(1).sum()), "assistant_tokens": int(rows["loss_mask"].sum()),
-        }))  # fmt: skip
+        write_file(
+            cfg.output_path / "training_rows.json",
+            json.dumps(
+                {
+                    "data_fraction": t.data_fraction,
+                    "rows": len(rows["tokens"]),
+                    "samples": int(rows["segments"].max(1).sum()),
+                    "assistant_tokens": int(rows["loss_mask"].sum()),
+                }
+            ),
+        )
     if t.epochs is not None:
         steps = max(1, math.ceil(t.epochs * len(rows["tokens"]) / t.batch_size))
         print(f"training.epochs={t.epochs}: {steps} steps over {len(rows['tokens'])} rows", file=sys.stderr)
@@ -310,9 +329,15 @@ def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
             hist = None
             for batch in tqdm(batches, desc=f"evaluate {set_name} {name}", unit="batch", file=sys.stderr):
                 out = speculative.generate(
-                    model.weights, model.cfg, batch, drafter=drafter, num_draft_tokens=k,
-                    max_new_tokens=max_new, eos_ids=eos, batch_size=size,
-                )  # fmt: skip
+                    model.weights,
+                    model.cfg,
+                    batch,
+                    drafter=drafter,
+                    num_draft_tokens=k,
+                    max_new_tokens=max_new,
+                    eos_ids=eos,
+                    batch_size=size,
+                )
                 h = out.stats.accepted_histogram
                 hist = h if hist is None else [a + b for a, b in zip(hist, h)]
             mean_accepted, by_position = acceptance(hist)

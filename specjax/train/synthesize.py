@@ -185,16 +185,28 @@ def _raw_batches(model: LoadedModel, cfg: SynthesizeSection, store: Store) -> It
     batch = 0
     while True:
         rows = _row_hints(cfg, batch)
-        key = content_key({
-            "kind": "synth", "target": target, "hints": [h for _, h in rows], "seed": cfg.seed * 1_000_003 + batch,
-            "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
-        })  # fmt: skip
+        key = content_key(
+            {
+                "kind": "synth",
+                "target": target,
+                "hints": [h for _, h in rows],
+                "seed": cfg.seed * 1_000_003 + batch,
+                "temperature": cfg.temperature,
+                "top_p": cfg.top_p,
+                "max_tokens": cfg.max_tokens,
+            }
+        )
         if not store.has(key):
             prompts = [user_turn_prefix(tok, h) for _, h in rows]
             out = generate(
-                model.weights, model.cfg, prompts, max_new_tokens=cfg.max_tokens, sampling=sampling,
-                seed=cfg.seed * 1_000_003 + batch, eos_ids=eos,
-            )  # fmt: skip
+                model.weights,
+                model.cfg,
+                prompts,
+                max_new_tokens=cfg.max_tokens,
+                sampling=sampling,
+                seed=cfg.seed * 1_000_003 + batch,
+                eos_ids=eos,
+            )
             records = [
                 {"domain": d, "text": tok.decode(c.output_ids), "tokens": len(c.output_ids), "finish": c.finish_reason}
                 for (d, _), c in zip(rows, out.completions)

@@ -192,9 +192,10 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 def _divergence_message(host: dict, step: int, last_good: int | None) -> str:
     what = (
-        f"the loss became {host['loss']}" if not math.isfinite(host["loss"])
+        f"the loss became {host['loss']}"
+        if not math.isfinite(host["loss"])
         else f"a weight reached {host['param_max']:.3g} (beyond {PARAM_LIMIT:g})"
-    )  # fmt: skip
+    )
     if last_good is None:
         return f"{what} at step {step}, before any checkpoint; lower training.learning_rate and run again"
     return (
@@ -330,8 +331,14 @@ def train(
     start = int(state["step"])
     end = cfg.training.steps if stop_after is None else min(cfg.training.steps, stop_after)
     tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
-    bar = tqdm(range(start, end), initial=start, total=cfg.training.steps, desc="train", file=sys.stderr,
-               disable=jax.process_index() != 0)  # fmt: skip
+    bar = tqdm(
+        range(start, end),
+        initial=start,
+        total=cfg.training.steps,
+        desc="train",
+        file=sys.stderr,
+        disable=jax.process_index() != 0,
+    )
     with bar, refused_checkpoint_writes(Path(manager.directory)):
         try:
             t0 = time.perf_counter()
@@ -345,8 +352,14 @@ def train(
                 t0 = time.perf_counter()
                 bar.set_postfix(loss=f"{host['loss']:.3f}", acc0=f"{host['acc_k'][0]:.2f}", tok_s=f"{rate:.0f}")
                 if (done % cfg.logging.every == 0 or done == end) and jax.process_index() == 0:
-                    record = {"step": done, "loss": host["loss"], "loss_k": host["loss_k"], "acc_k": host["acc_k"],
-                              "grad_norm": host["grad_norm"], "tokens_per_s": rate}  # fmt: skip
+                    record = {
+                        "step": done,
+                        "loss": host["loss"],
+                        "loss_k": host["loss_k"],
+                        "acc_k": host["acc_k"],
+                        "grad_norm": host["grad_norm"],
+                        "tokens_per_s": rate,
+                    }
                     append_text(metrics_path, json.dumps(record) + "\n")
                 if on_step is not None:
                     on_step(done, host)

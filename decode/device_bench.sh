@@ -2,13 +2,13 @@
 # specjax on one accelerator, offline, in under 8 minutes on a GPU: specjax-bench on the embedded SmolLM2-135M with
 # its shipped drafts (bfloat16 on accelerators), modes ar, ngram, eagle3-chain (5 and 2), eagle3-tree and dflash:8
 # at batch 1 and 8 (the breakdown's drafter ms: DFlash K = 8 against EAGLE-3 K = 2);
-# then a random Llama-3-8B-shaped target (scripts/device_bench.py): one-step latency, verification cost by tokens,
+# then a random Llama-3-8B-shaped target (decode/device_bench.py): one-step latency, verification cost by tokens,
 # autoregressive tokens/s against the bandwidth roofline, on one device and split over every device present; the
 # embedded model's EAGLE-3 tree decoding on a mesh of every device (greedy output checked against plain decoding);
 # and a short EAGLE-3 training run (configs/smoke.yaml) on the same devices. JSON and Markdown tables go to OUT
 # (default device_bench_out). SHRINK=1 shrinks the 8B-shaped target so that the script also runs on a CPU.
 #
-# Usage: scripts/device_bench.sh [OUT]      (PYTHON=path/to/python to choose the interpreter)
+# Usage: decode/device_bench.sh [OUT]      (PYTHON=path/to/python to choose the interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-device_bench_out}
@@ -24,10 +24,10 @@ bench() {  # bench BATCH PROMPTS
 }
 bench 1 6
 bench 8 16
-"$PYTHON" scripts/device_bench.py --out-dir "$OUT/llama3-8b" $TINY
+"$PYTHON" decode/device_bench.py --out-dir "$OUT/llama3-8b" $TINY
 DEVICES=$("$PYTHON" -c "import jax; print(jax.device_count())")
 if (( DEVICES > 1 )); then
-  "$PYTHON" scripts/device_bench.py --out-dir "$OUT/llama3-8b-mesh" --mesh auto $TINY
+  "$PYTHON" decode/device_bench.py --out-dir "$OUT/llama3-8b-mesh" --mesh auto $TINY
 fi
 PROMPTS=()
 for i in 1 2 3 4 5 6 7 8; do PROMPTS+=(--prompt "Write a Python function number $i of a small library for dates."); done

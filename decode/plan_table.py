@@ -5,7 +5,7 @@ head's arrays are shapes with the shardings its own rules give them on a mesh of
 new tokens, an EAGLE-3 tree of depth 5, top-k 8, 32 nodes, bfloat16 (and int8 targets), the accelerators' 512-token
 prefill chunk. Estimates, not measurements on the devices. Prints two Markdown tables.
 
-Usage: python scripts/plan_table.py
+Usage: python decode/plan_table.py
 """
 
 from __future__ import annotations
@@ -40,9 +40,14 @@ TARGETS = {
 }
 # name, devices, GB of memory each (the vendors' figures)
 DEVICES = [
-    ("TPU v5e-8", 8, 16), ("TPU v5p-8", 4, 95), ("TPU v6e-8", 8, 32), ("1x H100", 1, 80), ("8x H100", 8, 80),
-    ("1x H200", 1, 141), ("8x H200", 8, 141),
-]  # fmt: skip
+    ("TPU v5e-8", 8, 16),
+    ("TPU v5p-8", 4, 95),
+    ("TPU v6e-8", 8, 32),
+    ("1x H100", 1, 80),
+    ("8x H100", 8, 80),
+    ("1x H200", 1, 141),
+    ("8x H200", 8, 141),
+]
 TREE = TreeSpec.parse("5,8,32")
 
 
@@ -68,12 +73,21 @@ def plans_gib(cfg: ModelConfig, devices: int) -> dict[str, float]:
     drafter = Eagle3Drafter(params, embed, graphdef, TREE, *drafted)
     return {
         quantize: memory_plan(
-            cfg, jnp.bfloat16, batch=8, prompt_len=1000, max_new_tokens=1024, drafter=drafter, draft_shape=TREE,
-            target_weights=embed, mesh=axes if mesh is not None else None, quantize=quantize,
+            cfg,
+            jnp.bfloat16,
+            batch=8,
+            prompt_len=1000,
+            max_new_tokens=1024,
+            drafter=drafter,
+            draft_shape=TREE,
+            target_weights=embed,
+            mesh=axes if mesh is not None else None,
+            quantize=quantize,
             prefill_chunk=ACCELERATOR_PREFILL_CHUNK,
-        ).total / GIB
+        ).total
+        / GIB
         for quantize in ("none", "int8")
-    }  # fmt: skip
+    }
 
 
 def main() -> None:

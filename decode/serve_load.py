@@ -3,7 +3,7 @@ from the chat prompt set at 1, 4 and 16 concurrent clients (the official `openai
 with a drafter. Bounded: `--requests` per level (at least the level's clients), and a level stops taking new requests
 after `--seconds`. Prints a Markdown table of requests/s, p50 and p99 latency and output tokens/s, and writes JSON.
 
-Usage: python scripts/serve_load.py [--model smollm2-135m] [--drafter ngram+eagle3:smollm2-135m] [--slots 8]
+Usage: python decode/serve_load.py [--model smollm2-135m] [--drafter ngram+eagle3:smollm2-135m] [--slots 8]
                                    [--max-tokens 32] [--requests 16] [--seconds 120] [--out serve_load.json]
 """
 
@@ -42,9 +42,11 @@ def level(base: str, clients: int, prompts: list[str], max_tokens: int, requests
             return
         t0 = time.perf_counter()
         reply = api.chat.completions.create(
-            model="served", messages=[{"role": "user", "content": prompts[i % len(prompts)]}], max_tokens=max_tokens,
+            model="served",
+            messages=[{"role": "user", "content": prompts[i % len(prompts)]}],
+            max_tokens=max_tokens,
             temperature=0,
-        )  # fmt: skip
+        )
         latencies.append(time.perf_counter() - t0)
         tokens.append(reply.usage.completion_tokens)
 
@@ -53,10 +55,14 @@ def level(base: str, clients: int, prompts: list[str], max_tokens: int, requests
         list(pool.map(one, range(max(requests, clients))))
     wall = time.perf_counter() - t0
     return {
-        "clients": clients, "requests": len(latencies), "seconds": wall, "requests_per_s": len(latencies) / wall,
-        "p50_s": statistics.median(latencies), "p99_s": float(np.percentile(latencies, 99)),
+        "clients": clients,
+        "requests": len(latencies),
+        "seconds": wall,
+        "requests_per_s": len(latencies) / wall,
+        "p50_s": statistics.median(latencies),
+        "p99_s": float(np.percentile(latencies, 99)),
         "tokens_per_s": sum(tokens) / wall,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -75,21 +81,32 @@ def main() -> None:
     rows = []
     for spec in ("none", args.drafter):
         drafter = drafter_from_spec(spec, model.weights, model.cfg)
-        engine = Engine(model.weights, model.cfg, drafter=drafter, num_draft_tokens=args.num_draft_tokens,
-                        slots=args.slots, max_context=1024, sampled=True, eos_ids=model.eos_ids)  # fmt: skip
+        engine = Engine(
+            model.weights,
+            model.cfg,
+            drafter=drafter,
+            num_draft_tokens=args.num_draft_tokens,
+            slots=args.slots,
+            max_context=1024,
+            sampled=True,
+            eos_ids=model.eos_ids,
+        )
         with running_in_thread(build_app(engine, model.tokenizer, "served", args.max_tokens)) as base:
             level(f"{base}/v1", args.slots, prompts, 2, args.slots, args.seconds)  # compiles every program
             for clients in LEVELS:
                 row = level(f"{base}/v1", clients, prompts, args.max_tokens, args.requests, args.seconds)
                 rows.append({"drafter": spec, **row})
                 print(rows[-1], file=sys.stderr)
-    args.out.write_text(json.dumps({"machine": machine(), "slots": args.slots, "max_tokens": args.max_tokens,
-                                    "rows": rows}, indent=1))  # fmt: skip
+    args.out.write_text(
+        json.dumps({"machine": machine(), "slots": args.slots, "max_tokens": args.max_tokens, "rows": rows}, indent=1)
+    )
     print("| drafter | clients | requests | requests/s | p50 (s) | p99 (s) | tokens/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['drafter']} | {r['clients']} | {r['requests']} | {r['requests_per_s']:.2f} | {r['p50_s']:.2f} | "
-              f"{r['p99_s']:.2f} | {r['tokens_per_s']:.1f} |")  # fmt: skip
+        print(
+            f"| {r['drafter']} | {r['clients']} | {r['requests']} | {r['requests_per_s']:.2f} | {r['p50_s']:.2f} | "
+            f"{r['p99_s']:.2f} | {r['tokens_per_s']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ share of the weights and of the KV cache). Writes llama3-8b.json and llama3-8b.m
 Random weights decode at the speed of real ones: every step reads every weight and the KV written so far, whatever
 their values. `--tiny` shrinks the target (2 layers, hidden 256) so that the whole script runs on a CPU.
 
-Usage: python scripts/device_bench.py --out-dir OUT [--tiny] [--mesh auto] [--batches 1,8] [--context 512]
+Usage: python decode/device_bench.py --out-dir OUT [--tiny] [--mesh auto] [--batches 1,8] [--context 512]
        [--max-new-tokens 128]
 """
 
@@ -36,13 +36,29 @@ from specjax.models.llama import init_weights, weight_bytes, weight_shardings  #
 from specjax.sharding import CACHE_AXES, mesh_for, parse_mesh, shard_fraction  # noqa: E402
 
 LLAMA3_8B = ModelConfig(
-    "llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-    num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192,
-)  # fmt: skip
+    "llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+)
 TINY = ModelConfig(
-    "llama", vocab_size=8192, hidden_size=256, intermediate_size=896, num_layers=2, num_heads=4, num_kv_heads=2,
-    head_dim=64, rope_theta=500000.0, max_position_embeddings=8192,
-)  # fmt: skip
+    "llama",
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=896,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+)
 # Tokens per row one verification runs: chains of K = 1..15 drafts (T = K + 1), then tree budgets up to 64 nodes.
 VERIFY_TOKENS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
@@ -70,10 +86,15 @@ def main(argv=None) -> None:
     sizes = dict(mesh.shape) if mesh is not None else None
     available = device_memory()
     plans = {
-        b: check_fits(lambda rows: memory_plan(cfg, dtype, batch=rows, prompt_len=args.context,
-                                               max_new_tokens=args.max_new_tokens, mesh=sizes), b, available)
+        b: check_fits(
+            lambda rows: memory_plan(
+                cfg, dtype, batch=rows, prompt_len=args.context, max_new_tokens=args.max_new_tokens, mesh=sizes
+            ),
+            b,
+            available,
+        )
         for b in args.batches
-    }  # fmt: skip
+    }
     bandwidth, bandwidth_source = device_bandwidth()
     t0 = time.perf_counter()
     # Each device draws its own shards: the whole target never lands on one device.
@@ -95,25 +116,38 @@ def main(argv=None) -> None:
         # Every step reads each device's weights once and, per row, its KV of the context so far (at mid-decode).
         step_bytes = size + b * (args.context + args.max_new_tokens // 2) * kv_per_token
         roofline = b * bandwidth / step_bytes
-        decoding.append({
-            "batch": b, "tokens_per_s": tokens_per_s, "compile_s": result.compile_seconds,
-            "step_latency_ms": 1000 * forward_seconds(weights, cfg, b, args.context, (1,))[0],
-            "roofline_tokens_per_s": roofline, "of_roofline": tokens_per_s / roofline,
-            "memory_plan_bytes": plans[b].total,
-        })  # fmt: skip
+        decoding.append(
+            {
+                "batch": b,
+                "tokens_per_s": tokens_per_s,
+                "compile_s": result.compile_seconds,
+                "step_latency_ms": 1000 * forward_seconds(weights, cfg, b, args.context, (1,))[0],
+                "roofline_tokens_per_s": roofline,
+                "of_roofline": tokens_per_s / roofline,
+                "memory_plan_bytes": plans[b].total,
+            }
+        )
 
     report = {
         "config": {
-            "target": "tiny" if args.tiny else "llama3-8b-shaped (random weights)", "model": repr(cfg),
-            "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind, "mesh": sizes,
-            "context": args.context, "max_new_tokens": args.max_new_tokens, "weight_bytes": size,
-            "bandwidth_bytes_per_s": bandwidth, "bandwidth_source": bandwidth_source, "device_memory_bytes": available,
-            "init_seconds": init_s, "date": time.strftime("%Y-%m-%d"),
+            "target": "tiny" if args.tiny else "llama3-8b-shaped (random weights)",
+            "model": repr(cfg),
+            "dtype": jnp.dtype(dtype).name,
+            "device": jax.devices()[0].device_kind,
+            "mesh": sizes,
+            "context": args.context,
+            "max_new_tokens": args.max_new_tokens,
+            "weight_bytes": size,
+            "bandwidth_bytes_per_s": bandwidth,
+            "bandwidth_source": bandwidth_source,
+            "device_memory_bytes": available,
+            "init_seconds": init_s,
+            "date": time.strftime("%Y-%m-%d"),
         },
         "one_step_ms": 1000 * step_s,
         "verification": verification,
         "decoding": decoding,
-    }  # fmt: skip
+    }
     (out_dir / "llama3-8b.json").write_text(json.dumps(report, indent=1))
     largest = max(args.batches)
     plan = f"\nMemory plan, batch {largest}:\n\n{plans[largest].table(available)}"

@@ -9,7 +9,7 @@ the int8 weights, in the same dtype, and reports:
 - the bytes of the weights summed over their arrays: float and int8 (values, scales, the rest) in bfloat16 and in
   the run's dtype.
 
-Usage: python scripts/quantize_agreement.py [--model smollm2-135m] [--num-prompts 8] [--max-new-tokens 64]
+Usage: python decode/quantize_agreement.py [--model smollm2-135m] [--num-prompts 8] [--max-new-tokens 64]
        [--dtype float32] [--json OUT]
 """
 
@@ -91,15 +91,21 @@ def main(argv=None) -> None:
     )
     weight_bytes = {f"{args.dtype} {q}": nbytes(m.weights) for q, m in models.items()}
     if args.dtype != "bfloat16":
-        weight_bytes |= {f"bfloat16 {q}": nbytes(load_model(args.model, jnp.bfloat16, quantize=q).weights)
-                         for q in ("none", "int8")}  # fmt: skip
+        weight_bytes |= {
+            f"bfloat16 {q}": nbytes(load_model(args.model, jnp.bfloat16, quantize=q).weights) for q in ("none", "int8")
+        }
     figures = {
-        "model": args.model, "dtype": args.dtype, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "generated_tokens": total, "identical_to_first_divergence": prefix / total,
+        "model": args.model,
+        "dtype": args.dtype,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "generated_tokens": total,
+        "identical_to_first_divergence": prefix / total,
         "identical_position_by_position": same / total,
         "identical_outputs": sum(a == b for a, b in zip(outputs["none"], outputs["int8"])),
-        "top1_agreement_on_float_text": top1, "weight_bytes": weight_bytes,
-    }  # fmt: skip
+        "top1_agreement_on_float_text": top1,
+        "weight_bytes": weight_bytes,
+    }
     for name, value in figures.items():
         print(f"{name}: {value:.4f}" if isinstance(value, float) else f"{name}: {value}")
     print(f"int8 / bfloat16 bytes: {weight_bytes['bfloat16 int8'] / weight_bytes['bfloat16 none']:.3f}")

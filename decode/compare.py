@@ -1,6 +1,6 @@
 """Several specjax-bench runs side by side: one table row per run and mode, one chart of the speedups.
 
-    python -m specjax.cli.compare RUN_DIR [RUN_DIR ...] --out OUT
+    python decode/compare.py RUN_DIR [RUN_DIR ...] --out OUT
 
 reads each RUN_DIR/bench.json and writes OUT.md and OUT.png, never inside a RUN_DIR. A run is named by its setting:
 prompt set, batch size and temperature (e.g. "humaneval b8 T1").
@@ -90,7 +90,7 @@ def plot(runs: Sequence[tuple[str, list[dict]]], path: Path, title: str) -> None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = cli.ArgumentParser(prog="python -m specjax.cli.compare", description=__doc__)
+    p = cli.ArgumentParser(prog="python decode/compare.py", description=__doc__)
     p.add_argument("runs", nargs="+", help="folders written by specjax-bench --out-dir (only read)")
     p.add_argument("--out", required=True, type=Path, help="output path without suffix: OUT.md and OUT.png are written")
     p.add_argument("--title", default="speedup over autoregressive decoding measured in the same run")
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def entry(argv: Sequence[str] | None = None) -> None:
-    cli.run(main, "python -m specjax.cli.compare", argv)
+    cli.run(main, "python decode/compare.py", argv)
 
 
 if __name__ == "__main__":

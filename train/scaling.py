@@ -1,7 +1,7 @@
 """The data-scaling curve: one head per nested subset of a config's training rows, the same steps per token, and
 held-out mean accepted length against training tokens.
 
-  python -m specjax.cli.scaling --config configs/smollm2-eagle3.yaml --fractions 0.125,0.25,0.5,1 --epochs 1.2 \\
+  python train/scaling.py --config configs/smollm2-eagle3.yaml --fractions 0.125,0.25,0.5,1 --epochs 1.2 \\
       --out docs/bench/scaling [section.key=value ...]
 
 The whole data set runs first, in the config's OUTPUT_DIR (so the head the config trains is the curve's last point),
@@ -62,9 +62,7 @@ def plot(points: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = cli.ArgumentParser(
-        prog="python -m specjax.cli.scaling", description=__doc__, formatter_class=cli.RawDescription
-    )
+    p = cli.ArgumentParser(prog="python train/scaling.py", description=__doc__, formatter_class=cli.RawDescription)
     p.add_argument("--config", type=Path, required=True)
     p.add_argument("--fractions", type=fractions, required=True, help="fractions of the training rows, e.g. 0.25,1")
     p.add_argument("--epochs", type=float, required=True, help="epochs of every run (the same steps per token)")
@@ -76,8 +74,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     points = []
     for f in args.fractions:
         subset = [] if f == 1 else [f"output_dir={base.output_dir}-scaling-{f:g}", f"training.features_dir={features}"]
-        cfg = load_config(args.config, [*args.overrides, f"training.epochs={args.epochs}",
-                                        f"training.data_fraction={f}", *subset])  # fmt: skip
+        cfg = load_config(
+            args.config, [*args.overrides, f"training.epochs={args.epochs}", f"training.data_fraction={f}", *subset]
+        )
         print(f"== scaling: fraction {f:g} -> {cfg.output_dir}", file=sys.stderr)
         run(cfg, FULL_STAGES if f == 1 else SUBSET_STAGES)
         trained = json.loads((cfg.output_path / "training_rows.json").read_text())
@@ -88,10 +87,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     title = f"{args.config.name}: {args.epochs} epochs per run"
     write_file(args.out.with_suffix(".png"), lambda tmp: plot(points, tmp, title))
     for point in points:
-        summary = ", ".join(f"{s} {m} {r[m]['mean_accepted']:.2f}" for s, r in point["sets"].items()
-                            for m in ("chain", "tree"))  # fmt: skip
+        summary = ", ".join(
+            f"{s} {m} {r[m]['mean_accepted']:.2f}" for s, r in point["sets"].items() for m in ("chain", "tree")
+        )
         print(f"{point['assistant_tokens']:>9} tokens ({point['samples']} samples): {summary}")
 
 
 if __name__ == "__main__":
-    cli.run(main, "python -m specjax.cli.scaling")
+    cli.run(main, "python train/scaling.py")
