@@ -1,9 +1,11 @@
-"""Device meshes and the one table of logical-axis rules that maps weights, caches, batches and activations onto them.
+"""Device meshes and the logical-axis rules that map weights, caches, batches and activations onto them.
 
-Every array that decoding or training keeps declares logical axis names: the weights in `models.llama.weight_specs`,
-the KV cache in `CACHE_AXES`, batches as ("batch", ...). One rule table maps those names onto mesh axes. A dimension
-that does not divide by its mesh axis, or whose mesh axis is already used by another dimension of the same array,
-is replicated instead, so one rule table serves every model size.
+Every array that decoding or training keeps declares logical axis names (`LOGICAL_AXES`): the weights in
+`models.llama.weight_specs`, the KV cache in `CACHE_AXES`, batches as ("batch", ...). A rule table maps those names
+onto mesh axes: `DEFAULT_RULES`, or a run's own (`merged_rules`: the training config's `mesh.rules`, `load_model`'s
+`rules`), and `shardings_of` turns a tree of logical specs into the NamedShardings of a mesh. A dimension that does
+not divide by its mesh axis, or whose mesh axis is already used by another dimension of the same array, is replicated
+instead, so one rule table serves every model size.
 
 Inside a traced function, `constrain` pins a value to its logical axes on the mesh set with `jax.set_mesh` (the
 decoding loops enter the mesh of the weights they are given); with no mesh set it does nothing.
@@ -11,9 +13,11 @@ decoding loops enter the mesh of the weights they are given); with no mesh set i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +26,27 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specjax.errors import InputError
 
+# A rule table: (logical axis, mesh axis or axes) pairs; an axis without a rule, or whose rule is None or (), is
+# replicated.
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+# Every logical axis name an array of specjax declares.
+LOGICAL_AXES = (
+    "batch",  # rows of a batch
+    "layers",  # a stacked weight's layer index
+    "slots",  # KV cache positions
+    "embed",  # the model (hidden) dimension
+    "embed2",  # an EAGLE-3 midlayer's doubled input (embedding and hidden state side by side)
+    "taps",  # an EAGLE-3 head's concatenated target features
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",  # MLP columns
+    "vocab",
+)
 # Logical axis -> mesh axis (or axes). Heads and MLP columns go tensor-parallel, batches data-parallel. The trainer's
 # meshes add "fsdp": the weights' model dimension goes over it and batches over data x fsdp; on a mesh without that
 # axis (the decoding tools') those rules do nothing, so a model loaded onto a training mesh decodes there as it is.
-DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...]], ...] = (
+DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -38,6 +59,16 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...]], ...] = (
 # A KV cache's k and v: [L, B, S, K, H].
 CACHE_AXES = ("layers", "batch", "slots", "kv_heads", "head_dim")
 MESH_AXES = ("data", "tensor")  # the axes the decoding tools' --mesh names
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """Shape, logical axis names (`LOGICAL_AXES`, or None for a dimension never split) and dtype (None: the run's) of
+    one array: a weight of `specjax.models.llama.weight_specs` and the like."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    dtype: Any = None
 
 
 def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -111,7 +142,38 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
-def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh, rules=DEFAULT_RULES) -> PartitionSpec:
+def merged_rules(
+    overrides: Mapping[str, str | Sequence[str] | None], mesh_axes: Sequence[str], base: Rules = DEFAULT_RULES
+) -> Rules:
+    """`base` with the logical axes of `overrides` mapped anew (MaxText's `logical_axis_rules`).
+
+    Args:
+      overrides: logical axis -> a mesh axis, a sequence of them (split over their product), or None (replicated).
+      mesh_axes: the mesh axes a rule may name.
+      base: the table the overrides replace entries of.
+    Returns:
+      The merged table: `base`'s order, then the axes it had no rule for.
+    Raises:
+      InputError naming every unknown logical axis and mesh axis at once.
+    """
+    targets = {
+        name: (target,) if isinstance(target, str) else tuple(target or ()) for name, target in overrides.items()
+    }
+    unknown = [f"logical axis {name!r}" for name in targets if name not in LOGICAL_AXES]
+    unknown += [f"mesh axis {a!r} (for {name})" for name, axes in targets.items() for a in axes if a not in mesh_axes]
+    if unknown:
+        raise InputError(
+            f"sharding rules name an unknown {', an unknown '.join(unknown)}; logical axes: {', '.join(LOGICAL_AXES)}; "
+            f"mesh axes: {', '.join(mesh_axes)}"
+        )
+    table = dict(base)
+    table.update({name: axes[0] if len(axes) == 1 else axes or None for name, axes in targets.items()})
+    return tuple(table.items())
+
+
+def partition_spec(
+    axes: Sequence[str | None], shape: Sequence[int], mesh, rules: Rules = DEFAULT_RULES
+) -> PartitionSpec:
     """The PartitionSpec of an array with these logical axes on `mesh` (a Mesh or an AbstractMesh).
 
     A rule maps a logical axis to one mesh axis or a tuple of them (e.g. batch over ("data", "fsdp")).
@@ -132,30 +194,43 @@ def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh, rules
     return PartitionSpec(*spec)
 
 
-def named_sharding(axes, shape, mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
+def named_sharding(axes, shape, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    """The NamedSharding of one array with these logical axes and shape on `mesh` under `rules`."""
     return NamedSharding(mesh, partition_spec(axes, shape, mesh, rules))
 
 
-def place(arrays, specs, mesh: Mesh, rules=DEFAULT_RULES):
-    """`arrays` on `mesh`, each split by the logical axes of its spec: `specs` is a tree of `arrays`' structure whose
-    leaves have `.axes` and `.shape` (e.g. `specjax.models.llama.weight_specs`)."""
+def shardings_of(specs, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """The NamedShardings of a tree of logical specs on `mesh`.
+
+    Args:
+      specs: a tree of ArraySpecs (e.g. `specjax.models.llama.weight_specs`), or one ArraySpec.
+      mesh: the mesh.
+      rules: the logical-axis rules (`DEFAULT_RULES`, or a run's `merged_rules`).
+    Returns:
+      The tree of `specs`' structure with a NamedSharding in place of each spec.
+    """
     return jax.tree.map(
-        lambda s, x: jax.device_put(x, named_sharding(s.axes, s.shape, mesh, rules)),
-        specs,
-        arrays,
-        is_leaf=lambda s: hasattr(s, "axes"),
+        lambda s: named_sharding(s.axes, s.shape, mesh, rules), specs, is_leaf=lambda s: isinstance(s, ArraySpec)
     )
 
 
-def shard_fraction(axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int]) -> int:
-    """How many ways an array with these logical axes is split on a mesh of `mesh_shape` (its bytes per device are
-    its bytes over this)."""
-    spec = partition_spec(axes, shape, types.SimpleNamespace(shape=dict(mesh_shape)))  # the sizes alone suffice
+def place(arrays, specs, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """`arrays` on `mesh`, each split by the logical axes of its spec under `rules`: `specs` is a tree of ArraySpecs
+    in `arrays`' structure (`shardings_of`)."""
+    return jax.device_put(arrays, shardings_of(specs, mesh, rules))
+
+
+def shard_fraction(
+    axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES
+) -> int:
+    """How many ways an array with these logical axes is split on a mesh of `mesh_shape` under `rules` (its bytes per
+    device are its bytes over this)."""
+    spec = partition_spec(axes, shape, types.SimpleNamespace(shape=dict(mesh_shape)), rules)  # the sizes suffice
     names = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
     return math.prod(mesh_shape[a] for a in names)
 
 
-def constrain(x: jax.Array, axes: Sequence[str | None], rules=DEFAULT_RULES) -> jax.Array:
+def constrain(x: jax.Array, axes: Sequence[str | None], rules: Rules = DEFAULT_RULES) -> jax.Array:
     """`x` pinned to its logical axes on the mesh set by `jax.set_mesh`; `x` itself when none is set."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:

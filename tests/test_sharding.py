@@ -6,12 +6,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.config import ModelConfig
 from specjax.errors import InputError
-from specjax.sharding import default_mesh_axes, make_mesh, mesh_for, parse_mesh, partition_spec, set_rows
+from specjax.models.dflash import DFlashConfig, weight_specs_of
+from specjax.models.eagle3 import Eagle3Config, param_specs
+from specjax.models.llama import weight_specs
+from specjax.sharding import (
+    CACHE_AXES,
+    DEFAULT_RULES,
+    LOGICAL_AXES,
+    ArraySpec,
+    default_mesh_axes,
+    make_mesh,
+    merged_rules,
+    mesh_for,
+    parse_mesh,
+    partition_spec,
+    set_rows,
+    shard_fraction,
+    shardings_of,
+)
 
 
 @pytest.mark.slow  # the mesh runs of every drafter below cover it in CI
@@ -32,6 +51,57 @@ def test_indivisible_or_reused_axes_are_replicated():
     mesh = make_mesh({"data": 1, "tensor": 1})
     spec = partition_spec(("heads", "kv_heads"), (9, 3), mesh)
     assert tuple(spec) == ("tensor", None)
+
+
+def test_rules_merge_over_the_defaults_and_move_where_a_weight_lands():
+    rules = merged_rules({"vocab": None, "mlp": ["tensor", "fsdp"], "layers": "data"}, ("data", "fsdp", "tensor"))
+    table = dict(rules)
+    assert table["vocab"] is None and table["mlp"] == ("tensor", "fsdp") and table["layers"] == "data"
+    assert {k: v for k, v in table.items() if k not in ("vocab", "mlp", "layers")} == {
+        k: v for k, v in DEFAULT_RULES if k not in ("vocab", "mlp")
+    }
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
+    specs = {
+        "embed": ArraySpec((96, 32), ("vocab", "embed")),
+        "gate": ArraySpec((4, 32, 64), ("layers", "embed", "mlp")),
+    }
+    default, override = shardings_of(specs, mesh), shardings_of(specs, mesh, rules)
+    assert tuple(default["embed"].spec) == ("tensor", "fsdp") and tuple(override["embed"].spec) == (None, "fsdp")
+    assert tuple(default["gate"].spec) == (None, "fsdp", "tensor") and tuple(override["gate"].spec) == (
+        "data",
+        "fsdp",
+        "tensor",
+    )
+    # What a device holds follows the rules: the vocabulary whole at tensor=4, a quarter of it by default.
+    assert shard_fraction(("vocab", "embed"), (96, 32), {"tensor": 4}) == 4
+    assert shard_fraction(("vocab", "embed"), (96, 32), {"tensor": 4}, rules) == 1
+
+
+def test_unknown_axes_in_rules_are_one_error_naming_them_all():
+    with pytest.raises(
+        InputError, match="unknown logical axis 'vocabulary', an unknown mesh axis 'model' \\(for mlp\\)"
+    ):
+        merged_rules({"vocabulary": None, "mlp": ["tensor", "model"]}, ("data", "tensor"))
+
+
+def test_every_declared_logical_axis_has_a_name_rules_may_use():
+    target = ModelConfig("llama", 96, 32, 64, 6, 4, 2, 8, attention_bias=True, qk_norm=True)
+    trees = [
+        weight_specs(target, "int8"),
+        param_specs(Eagle3Config.default_for(target, 48)),
+        weight_specs_of(DFlashConfig.default_for(target, 0)),
+    ]
+    declared = (
+        {
+            a
+            for tree in trees
+            for spec in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, ArraySpec))
+            for a in spec.axes
+        }
+        | set(CACHE_AXES)
+        | {name for name, _ in DEFAULT_RULES}
+    )
+    assert declared - {None} <= set(LOGICAL_AXES), declared - set(LOGICAL_AXES)
 
 
 def run_script(name: str, *args) -> str:

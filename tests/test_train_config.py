@@ -57,6 +57,13 @@ def test_unknown_key_lists_the_valid_ones():
         ("training.grad_accumulation=0", r"training.grad_accumulation=0 \(must be >= 1\)"),
         ("training.grad_accumulation=3", "batch_size=4 does not split into training.grad_accumulation=3 microbatches"),
         ("training.remat=3", "training.remat must be bool"),
+        ("mesh.rules=3", "mesh.rules must be a mapping"),
+        ("mesh.rules.vocab=3", "mesh.rules.vocab must be str"),
+        ("mesh.rules.vocabulary=null", "mesh.rules: sharding rules name an unknown logical axis 'vocabulary'"),
+        (
+            "mesh.rules.vocab=model",
+            r"mesh.rules: .*unknown mesh axis 'model' \(for vocab\).*mesh axes: data, fsdp, tensor",
+        ),
     ],
 )
 def test_wrong_values_are_errors(override, message):
@@ -74,7 +81,7 @@ def test_missing_or_malformed_file(tmp_path):
 
 
 def test_round_trip_through_dict():
-    cfg = load_config(SMOKE, ["model.tap_layers=[0, 1, 2]"])
+    cfg = load_config(SMOKE, ["model.tap_layers=[0, 1, 2]", "mesh.rules.mlp=[tensor, fsdp]"])
     raw = config_to_dict(cfg)
     assert raw["model"]["tap_layers"] == [0, 1, 2]
     assert _build(TrainConfig, yaml.safe_load(yaml.safe_dump(raw)), "") == cfg

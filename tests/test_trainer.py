@@ -102,8 +102,19 @@ def test_sharded_meshes_equal_single_device(single_device_losses, mesh):
     (line,) = [line.split() for line in out.splitlines() if line.startswith("losses")]
     assert line[1:4] == mesh.split(",")[:3], out
     if mesh == "2,2,2,2":
-        assert "q" in line[-1].split(",")  # the head's q projection is split
+        assert "q" in line[-3].split(",")  # the head's q projection is split
+        assert line[-1] == "tensor"  # the default rules split the vocabulary over the tensor axis
     np.testing.assert_allclose(json.loads(line[4]), single_device_losses, rtol=1e-5)
+
+
+def test_the_configs_mesh_rules_move_a_weight_and_keep_the_losses(single_device_losses):
+    """mesh.rules.vocab=null on a 2x2x2 mesh: the target (loaded with the run's rules) and the trainer keep the
+    vocabulary whole on every device instead of split over "tensor", and the first losses equal a single device's."""
+    steps = 4
+    out = _finish(_script("train_sharded.py", steps, "2,2,2", "mesh.rules.vocab=null"))
+    (line,) = [line.split() for line in out.splitlines() if line.startswith("losses")]
+    assert line[-2:] == ["vocabulary:", "none"], out
+    np.testing.assert_allclose(json.loads(line[4]), single_device_losses[:steps], rtol=1e-5)
 
 
 def test_gradient_accumulation_gives_the_update_of_one_batch():

@@ -1,11 +1,12 @@
 """Run as a script with 8 fake CPU devices: the first training losses on meshes data x fsdp x tensor, the target
 loaded from its files straight onto the mesh (training.features=online).
 
-Usage: python tests/train_sharded.py STEPS D,F,T[,N] ...   prints one line "losses D F T [l1, ...]" per mesh (N:
-training.grad_accumulation, 1 by default),
-after asserting that the target stays as loaded (no second copy), that the target's and the head's weights (when
-fsdp or tensor > 1) and the batches really are split over devices, and that the loaded target decodes there (what
-the regenerate and evaluate stages do with it) the greedy tokens of the unsharded one.
+Usage: python tests/train_sharded.py STEPS D,F,T[,N] ... [section.key=value ...]   prints one line
+"losses D F T [l1, ...] split: NAMES vocabulary: AXES" per mesh (N: training.grad_accumulation, 1 by default; the
+config overrides apply to every mesh, e.g. mesh.rules.vocab=null; AXES: the mesh axes the target's embedding rows
+are split over), after asserting that the target stays as loaded (no second copy), that the target's and the
+head's weights (when fsdp or tensor > 1) and the batches really are split over devices, and that the loaded target
+decodes there (what the regenerate and evaluate stages do with it) the greedy tokens of the unsharded one.
 """
 
 import json
@@ -27,11 +28,12 @@ from specjax.io.hf import load_hf, save_hf  # noqa: E402
 from specjax.sharding import make_mesh  # noqa: E402
 
 
-def main(folder: Path, steps: int, data: int, fsdp: int, tensor: int, microbatches: int = 1) -> None:
+def main(folder: Path, steps: int, overrides: list[str], data: int, fsdp: int, tensor: int, microbatches: int = 1):
     assert len(jax.devices()) == 8, jax.devices()
     axes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-    _, loaded = load_hf(folder, mesh=make_mesh(axes))  # each tensor read into its shards
-    overrides = [f"training.grad_accumulation={microbatches}"]
+    overrides = [f"training.grad_accumulation={microbatches}", *overrides]
+    rules = train_tiny.config(overrides).mesh.sharding_rules
+    _, loaded = load_hf(folder, mesh=make_mesh(axes), rules=rules)  # each tensor read into its shards
     _, trainer, source = train_tiny.build(overrides, mesh_axes=axes, target_weights=loaded)
     assert all(a is b for a, b in zip(jax.tree.leaves(trainer.target_weights), jax.tree.leaves(loaded)))
     params = trainer.initial_state["params"]
@@ -46,7 +48,9 @@ def main(folder: Path, steps: int, data: int, fsdp: int, tensor: int, microbatch
     assert not trainer.batch_sharding.is_fully_replicated
     losses = train_tiny.first_losses(trainer, source, steps)
     compact = json.dumps(losses, separators=(",", ":"))
-    print("losses", data, fsdp, tensor, compact, "split:", ",".join(split), flush=True)
+    rows = trainer.target_weights.embed.sharding.spec[0]  # the embedding's vocabulary dimension
+    vocabulary = ",".join((rows,) if isinstance(rows, str) else rows or ("none",))
+    print("losses", data, fsdp, tensor, compact, "split:", ",".join(split), "vocabulary:", vocabulary, flush=True)
     cfg, whole = train_tiny.target()
     prompts = [[1, 5, 9], [7, 3, 2, 8, 4], [11], [30, 31, 32, 33]]
     sharded, unsharded = (
@@ -58,5 +62,7 @@ def main(folder: Path, steps: int, data: int, fsdp: int, tensor: int, microbatch
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as work:
         save_hf(work, *train_tiny.target())
-        for arg in sys.argv[2:]:
-            main(Path(work), int(sys.argv[1]), *map(int, arg.split(",")))
+        meshes = [arg for arg in sys.argv[2:] if "=" not in arg]
+        overrides = [arg for arg in sys.argv[2:] if "=" in arg]
+        for mesh in meshes:
+            main(Path(work), int(sys.argv[1]), overrides, *map(int, mesh.split(",")))

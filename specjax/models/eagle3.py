@@ -29,15 +29,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from specjax.config import MetadataFields, ModelConfig, RopeScaling, layer_sizes_from_hf, rope_from_hf
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
 from specjax.models.attention import CachedKeys, attend, slots_below
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import ArraySpec, Rotary, apply_rope, rms_norm
+from specjax.models.llama import Rotary, apply_rope, rms_norm
 from specjax.models.quantize import embed_rows
-from specjax.sharding import DEFAULT_RULES, constrain, named_sharding
+from specjax.sharding import DEFAULT_RULES, ArraySpec, Rules, constrain, shardings_of
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # What a head shaped like one layer of its target takes from the target's config (`Eagle3Config.default_for`).
@@ -392,20 +392,21 @@ class Eagle3Head(nnx.Module):
         self.d2t = VocabMap(d2t)
         self.t2d = VocabMap(t2d)
 
-    def place(self, mesh: Mesh, rules=DEFAULT_RULES) -> None:
+    def place(self, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> None:
         """Splits the weights over `mesh` by their logical axes (`param_specs`, the own embedding as ("vocab",
         "embed")) under `rules`: with the default rules the heads, KV heads, MLP columns and draft vocabulary go over
         "tensor", as the target's do, so each device holds its share of the head; the vocabulary maps are replicated.
         """
+        cfg = self.cfg
         specs = {
-            **param_specs(self.cfg),
-            "embed": ArraySpec((self.cfg.vocab_size, self.cfg.hidden_size), ("vocab", "embed")),
+            **param_specs(cfg),
+            "embed": ArraySpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed")),
+            "d2t": ArraySpec((cfg.draft_vocab_size,), (None,)),
+            "t2d": ArraySpec((cfg.vocab_size,), (None,)),
         }
-        for name, spec in specs.items():
+        for name, sharding in shardings_of(specs, mesh, rules).items():
             if (var := getattr(self, name)) is not None:
-                var.set_value(jax.device_put(var[...], named_sharding(spec.axes, spec.shape, mesh, rules)))
-        for var in (self.d2t, self.t2d):
-            var.set_value(jax.device_put(var[...], NamedSharding(mesh, PartitionSpec())))
+                var.set_value(jax.device_put(var[...], sharding))
 
     # -- inputs ------------------------------------------------------------------------------------------------
 

@@ -30,7 +30,17 @@ from specjax.models.quantize import (
     quantize_matrix,
     weight_einsum,
 )
-from specjax.sharding import DEFAULT_RULES, MeshChoice, larger_meshes, mesh_for, named_sharding, place, shard_fraction
+from specjax.sharding import (
+    DEFAULT_RULES,
+    ArraySpec,
+    MeshChoice,
+    Rules,
+    larger_meshes,
+    mesh_for,
+    place,
+    shard_fraction,
+    shardings_of,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -61,15 +71,6 @@ class Weights:
     layers: LayerWeights
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
-
-
-@dataclasses.dataclass(frozen=True)
-class ArraySpec:
-    """Shape, logical axis names and dtype (None: the run's) of one weight."""
-
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    dtype: Any = None
 
 
 def weight_specs(cfg: ModelConfig, quantize: str = "none") -> Weights:
@@ -140,37 +141,54 @@ def init_weights(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: flo
     return treedef.unflatten([make(s, k) for s, k in zip(leaves, keys)])
 
 
-def weight_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES, quantize: str = "none") -> Weights:
-    """A Weights pytree of NamedShardings for `cfg` on `mesh`, by the weights' logical axes."""
-    specs = weight_specs(cfg, quantize)
-    return jax.tree.map(lambda s: named_sharding(s.axes, s.shape, mesh, rules), specs, is_leaf=_is_spec)
+def weight_shardings(
+    cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES, quantize: str = "none"
+) -> Weights:
+    """A Weights pytree of NamedShardings for `cfg` on `mesh`, by the weights' logical axes under `rules`."""
+    return shardings_of(weight_specs(cfg, quantize), mesh, rules)
 
 
-def shard_weights(weights: Weights, cfg: ModelConfig, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES) -> Weights:
+def shard_weights(weights: Weights, cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> Weights:
     """Places existing weights (float or int8) onto the mesh."""
     return place(weights, weight_specs(cfg, quantization(weights)), mesh, rules)
 
 
-def weight_bytes(cfg: ModelConfig, dtype, mesh: Mapping[str, int] | None = None, quantize: str = "none") -> int:
+def weight_bytes(
+    cfg: ModelConfig,
+    dtype,
+    mesh: Mapping[str, int] | None = None,
+    quantize: str = "none",
+    rules: Rules = DEFAULT_RULES,
+) -> int:
     """Bytes of the target's weights in `dtype` (`weight_specs`: tied heads, biases and q/k norms included; with
     quantize "int8" its matrices' int8 values and their scales), on each device of a mesh of these axis sizes when
-    given (each weight split by its logical axes)."""
+    given (each weight split by its logical axes under `rules`)."""
     specs = jax.tree.leaves(weight_specs(cfg, quantize), is_leaf=_is_spec)
-    split = (lambda s: shard_fraction(s.axes, s.shape, mesh)) if mesh else (lambda s: 1)
+    split = (lambda s: shard_fraction(s.axes, s.shape, mesh, rules)) if mesh else (lambda s: 1)
     return sum(math.prod(s.shape) // split(s) * jnp.dtype(s.dtype or dtype).itemsize for s in specs)
 
 
-def check_weights_fit(cfg: ModelConfig, dtype, mesh: jax.sharding.Mesh | None, quantize: str, source: str) -> None:
-    """Refuses, before a tensor is read, weights that alone exceed a device's memory: InputError naming the first
-    larger mesh of the devices there are (`specjax.sharding.larger_meshes`) or the int8 weights that would fit."""
+def check_weights_fit(
+    cfg: ModelConfig,
+    dtype,
+    mesh: jax.sharding.Mesh | None,
+    quantize: str,
+    source: str,
+    rules: Rules = DEFAULT_RULES,
+) -> None:
+    """Refuses, before a tensor is read, weights that alone exceed a device's memory (split under `rules`):
+    InputError naming the first larger mesh of the devices there are (`specjax.sharding.larger_meshes`) or the int8
+    weights that would fit."""
     sizes = dict(mesh.shape) if mesh is not None else None
-    need, available = weight_bytes(cfg, dtype, sizes, quantize), device_memory()
+    need, available = weight_bytes(cfg, dtype, sizes, quantize, rules), device_memory()
     if need <= available:
         return
     used = mesh.size if mesh is not None else 1
-    fits = [m for m in larger_meshes(used, len(jax.devices())) if weight_bytes(cfg, dtype, m, quantize) <= available]
+    fits = [
+        m for m in larger_meshes(used, len(jax.devices())) if weight_bytes(cfg, dtype, m, quantize, rules) <= available
+    ]
     advice = [f"--mesh {','.join(f'{a}={n}' for a, n in fits[0].items())} would hold them"] if fits else []
-    if quantize == "none" and weight_bytes(cfg, dtype, sizes, "int8") <= available:
+    if quantize == "none" and weight_bytes(cfg, dtype, sizes, "int8", rules) <= available:
         advice.append("--quantize int8 would")
     raise InputError(
         f"{source}: the weights need {need / GIB:.2f} GiB on each device but one holds {available / GIB:.2f} GiB; "
@@ -254,6 +272,7 @@ def weights_from_hf(
     mesh: MeshChoice = None,
     source: str = "checkpoint",
     quantize: str = "none",
+    rules: Rules = DEFAULT_RULES,
 ) -> Weights:
     """Builds Weights from tensors in HF naming and PyTorch [out, in] layout, each placed (in `dtype`, on its
     shards) as soon as it is read, so the host never holds more than one stacked tensor in float32.
@@ -267,6 +286,7 @@ def weights_from_hf(
       source: the checkpoint's folder or file, named in errors.
       quantize: "int8" quantizes each matrix on the host as it is read, before it is placed
         (`specjax.models.quantize`); "none" keeps them in `dtype`.
+      rules: the logical-axis rules that split them (`specjax.sharding.merged_rules`).
     Returns:
       The Weights. Raises CheckpointError naming any missing or mis-shaped tensor, and InputError before reading
       any when the weights would not fit the devices (`check_weights_fit`).
@@ -275,8 +295,8 @@ def weights_from_hf(
     fetch = hf_fetcher(get, source)
     specs = weight_specs(cfg, quantize)
     on = mesh_for(mesh, cfg.num_kv_heads)
-    check_weights_fit(cfg, dtype, on, quantize, source)
-    shardings = weight_shardings(cfg, on, quantize=quantize) if on is not None else None
+    check_weights_fit(cfg, dtype, on, quantize, source, rules)
+    shardings = weight_shardings(cfg, on, rules, quantize) if on is not None else None
 
     def placer(spec_of: Callable[[Weights], object]):
         def put(field: str, w: np.ndarray) -> jax.Array | Int8Matrix:

@@ -20,6 +20,7 @@ import yaml
 
 from specjax.config import INT32_END
 from specjax.errors import InputError
+from specjax.sharding import Rules, merged_rules
 
 # model.drafter's values (the kinds of specjax/train/kinds.py), each with the keys a run of that kind must set.
 DRAFTERS = {
@@ -164,11 +165,26 @@ class MeshSection:
     data: int = -1  # -1: all remaining devices
     fsdp: int = 1
     tensor: int = 1
+    # Logical axis -> mesh axis, a list of them, or null (replicated), over `specjax.sharding.DEFAULT_RULES`: e.g.
+    # {vocab: null} keeps the vocabulary of the embedding and LM heads whole on every device.
+    rules: dict[str, str | tuple[str, ...] | None] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        """Refuses unknown logical or mesh axes in `rules` when the config is read (InputError)."""
+        _ = self.sharding_rules
 
     @property
     def axes(self) -> dict[str, int]:
         """The mesh's axis sizes, as `specjax.sharding.make_mesh` takes them."""
         return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+    @property
+    def sharding_rules(self) -> Rules:
+        """The run's logical-axis rules: `rules` merged over the default table. Raises InputError."""
+        try:
+            return merged_rules(self.rules, tuple(self.axes))
+        except InputError as e:
+            raise InputError(f"mesh.rules: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +348,14 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
             except InputError as e:
                 errors.append(str(e))
         raise InputError(errors[0])
+    if origin is dict:
+        key_hint, value_hint = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise InputError(f"{where} must be a mapping, got {value!r}")
+        return {
+            _check_type(k, key_hint, f"{where} key"): _check_type(v, value_hint, f"{where}.{k}")
+            for k, v in value.items()
+        }
     if origin is tuple:
         item = typing.get_args(hint)[0]
         if not isinstance(value, (list, tuple)):

@@ -387,8 +387,9 @@ def run(cfg: TrainConfig, stages: list[str]) -> None:
         raise InputError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)} or all")
     refuse_links_inside(cfg.output_path)
     start_distributed(cfg.distributed.coordinator, cfg.distributed.num_processes, cfg.distributed.process_id)
-    # One copy of the target for every stage, each weight read straight into its shards on the run's mesh.
-    model = load_model(cfg.model.target, mesh=make_mesh(cfg.mesh.axes))
+    # One copy of the target for every stage, each weight read straight into its shards on the run's mesh (by the
+    # run's rules, so the trainer keeps it as it is).
+    model = load_model(cfg.model.target, mesh=make_mesh(cfg.mesh.axes), rules=cfg.mesh.sharding_rules)
     validate(cfg, model, stages)
     with exclusive_output_dir(cfg.output_path) if jax.process_index() == 0 else contextlib.nullcontext():
         record_config(cfg)

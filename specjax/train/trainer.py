@@ -3,9 +3,9 @@ resume, metrics.
 
 The step reads the target's features from the batch (stored by the features stage), or with `training.features:
 online` runs the frozen target itself. Target weights, draft weights, optimizer state and batches all carry
-NamedShardings on one mesh (axes data / fsdp / tensor); the step is `jax.jit` with in/out shardings. Everything a
-run depends on (the batch, a DFlash step's anchors) is a function of (config, step), so resuming from a checkpoint
-continues bit for bit.
+NamedShardings on one mesh (axes data / fsdp / tensor), split by the run's logical-axis rules (`mesh.rules` over
+`specjax.sharding.DEFAULT_RULES`); the step is `jax.jit` with in/out shardings. Everything a run depends on (the
+batch, a DFlash step's anchors) is a function of (config, step), so resuming from a checkpoint continues bit for bit.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 from specjax.errors import CheckpointError, OutputError, SpecjaxError
 from specjax.host import append_text, write_file
-from specjax.models.llama import ArraySpec, Weights, weight_specs
-from specjax.sharding import partition_spec
+from specjax.models.llama import Weights, weight_shardings
+from specjax.sharding import ArraySpec, shardings_of
 from specjax.train.batches import ROW_KEYS, BatchSource
 from specjax.train.config import TrainConfig
 from specjax.train.features import feature_layers, target_features
@@ -94,19 +94,14 @@ class Trainer:
         self.optimizer = make_optimizer(cfg)
         self.compute_dtype = compute_dtype(cfg.training.compute_dtype)
 
-        def shard(specs):
-            return jax.tree.map(
-                lambda s: NamedSharding(mesh, partition_spec(s.axes, s.shape, mesh)),
-                specs,
-                is_leaf=lambda x: isinstance(x, ArraySpec),
-            )
-
-        target_shardings = shard(weight_specs(target_cfg))
+        rules = cfg.mesh.sharding_rules
+        target_shardings = weight_shardings(target_cfg, mesh, rules)
         self.target_weights = jax.tree.map(placed, target_weights, target_shardings)
         # The master weights: float32, whatever the compute dtype.
-        params = jax.tree.map(lambda x, s: to_global(np.asarray(x, np.float32), s), draft.params, shard(draft.specs()))
+        draft_shardings = shardings_of(draft.specs(), mesh, rules)
+        params = jax.tree.map(lambda x, s: to_global(np.asarray(x, np.float32), s), draft.params, draft_shardings)
         B = cfg.training.batch_size
-        self.batch_sharding = NamedSharding(mesh, partition_spec(("batch", None), (B, 1), mesh))
+        self.batch_sharding = shardings_of(ArraySpec((B, 1), ("batch", None)), mesh, rules)
         # The rows of a global batch that this process's devices hold: the only ones it builds (`step`).
         held = self.batch_sharding.addressable_devices_indices_map((B, 1)).values()
         self.local_rows = np.unique(np.concatenate([np.arange(B)[index[0]] for index in held]))
