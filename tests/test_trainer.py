@@ -547,13 +547,15 @@ def test_a_continued_head_card_carries_the_starting_heads_data_and_training(smok
     from specjax.io.eagle3_checkpoint import load_eagle3
     from specjax.io.loading import load_model
     from specjax.train.config import load_config
+    from specjax.train.kinds import draft_kind
     from specjax.train.model_card import model_card
 
     start = (smoke_run / "export" / "README.md").read_text()
     cfg = load_config(SMOKE, [f"output_dir={tmp_path}", f"training.init_from={smoke_run / 'export'}"])
     head_cfg, _ = load_eagle3(smoke_run / "export", load_model("tiny-random").cfg)
-    once = model_card(cfg, head_cfg, {}, None, None, None, start)
-    twice = model_card(cfg, head_cfg, {}, None, None, None, once)
+    card = draft_kind(cfg).card
+    once = model_card(cfg, card, head_cfg, {}, None, None, None, start)
+    twice = model_card(cfg, card, head_cfg, {}, None, None, None, once)
     assert "these steps continue the head" in once and "these steps continue the head" not in start
     for card, depth in ((once, 1), (twice, 2)):
         lines = card.splitlines()

@@ -1,15 +1,15 @@
-"""The kinds of draft a run trains (`model.drafter`): one `DraftKind` record each, holding everything that differs
-between them, from the draft's shape to the lines of its model card.
+"""The kinds of draft a run trains (`model.drafter`): one `DraftKind` class each, holding everything that differs
+between them, from the draft's shape to its evaluation, and the text its model card adds (specjax/train/model_card.py).
 
-`draft_kind` is the one place a kind is looked up by name; the pipeline (specjax/train/run.py) and the model card
-(specjax/train/model_card.py) call the record's pieces and never compare names. Between the stages a draft travels in
-its exported form: an Eagle3Head, or a DFlash (config, weights) pair with the draft vocabulary in `weights.vocab_ids`.
+`draft_kind` is the one place a kind is looked up by name; the pipeline (specjax/train/run.py) calls the kind's
+methods and never compares names. Between the stages a draft travels in its exported form: an Eagle3Head, or a DFlash
+(config, weights) pair with the draft vocabulary in `weights.vocab_ids`.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,96 +29,68 @@ from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.llama import Weights
 from specjax.train.config import DRAFTERS, EVAL_DRAFT_TOKENS, EVAL_TREE, TrainConfig
 from specjax.train.drafts import DFlashTraining, Eagle3Training
+from specjax.train.model_card import CardText, DFlashCard, Eagle3Card
 
 # One drafting mode of the evaluate stage: (name, description, drafter, K).
 EvaluationDrafter = tuple[str, str, Any, int]
 
 
-@dataclasses.dataclass(frozen=True)
-class DraftKind:
-    """What one kind of draft is, how it starts, trains, exports, is evaluated and is described."""
+class DraftKind(abc.ABC):
+    """What one kind of draft is, how it starts, trains, exports and is evaluated, and what its model card adds.
 
-    name: str  # the value of model.drafter, and the kind `specjax.drafters.base.draft_folder` takes
+    A draft is in its exported form throughout (the kind's own type: see the subclasses)."""
+
+    name: str  # the value of model.drafter, and the kind `specjax.drafters.registry.draft_folder` takes
     section: str | None  # the config section of the kind's own settings (None: model and training hold them all)
-    # The draft config a run trains, from the run's config and the target's, checked against the target.
-    draft_config: Callable[[TrainConfig, ModelConfig], Any]
-    # What a `training.init_from` draft must share with that config (attribute paths; "draft_vocab_size" is read
-    # with `vocab_size`).
+    # What a `training.init_from` draft must share with the run's draft config (attribute paths of the config;
+    # "draft_vocab_size" is read with `draft_vocab_size`).
     shape_fields: tuple[str, ...]
-    # Initial weights: a random draft of a draft config, seed and the vocab stage's (d2t, t2d).
-    fresh: Callable[[Any, int, np.ndarray, np.ndarray], Any]
-    load: Callable[[Path, ModelConfig], Any]  # an exported draft from its folder, made for the target
-    config: Callable[[Any], Any]  # a draft's config
-    vocab_size: Callable[[Any, ModelConfig], int]  # the number of target tokens a draft scores
-    training: Callable[[Any, TrainConfig, ModelConfig], Any]  # a draft under its loss (specjax/train/drafts.py)
-    check_rows: Callable[[TrainConfig, dict], None]  # raises InputError for training rows the kind cannot learn
-    export: Callable[[Path, Any], None]  # writes a draft's folder (config.json + model.safetensors) in bfloat16
-    evaluation_drafters: Callable[[Any, Weights], list[EvaluationDrafter]]  # the evaluate stage's modes
-    # Model card: the title and draft sections (run config, draft config, the coverage and taps phrases), the
-    # objective, how the standard-library answers are labelled, and notes after the data lines.
-    card_draft: Callable[[TrainConfig, Any, str, str], list[str]]
-    card_objective: Callable[[TrainConfig], str]
-    card_source_labels: str
-    card_notes: tuple[str, ...]
+    card: CardText  # the model card's lines of this kind
+
+    @abc.abstractmethod
+    def draft_config(self, cfg: TrainConfig, target_cfg: ModelConfig) -> Any:
+        """The draft config a run trains, from the run's config and the target's; raises InputError when it does not
+        fit the target."""
+
+    @abc.abstractmethod
+    def random_draft(self, draft_cfg: Any, seed: int, d2t: np.ndarray, t2d: np.ndarray) -> Any:
+        """A draft of `draft_cfg` with random weights (from `seed`) over the vocab stage's draft vocabulary."""
+
+    @abc.abstractmethod
+    def load_draft(self, folder: Path, target_cfg: ModelConfig) -> Any:
+        """An exported draft from its folder, made for the target. Raises CheckpointError / InputError."""
+
+    @abc.abstractmethod
+    def config_of(self, draft: Any) -> Any:
+        """A draft's config."""
+
+    @abc.abstractmethod
+    def draft_vocab_size(self, draft: Any, target_cfg: ModelConfig) -> int:
+        """The number of target tokens a draft scores."""
+
+    @abc.abstractmethod
+    def trainable(self, draft: Any, cfg: TrainConfig, target_cfg: ModelConfig) -> Any:
+        """A draft under its loss, what the trainer trains (specjax/train/drafts.py)."""
+
+    @abc.abstractmethod
+    def check_training_rows(self, cfg: TrainConfig, rows: dict) -> None:
+        """Raises InputError for training rows the kind cannot learn from."""
+
+    @abc.abstractmethod
+    def export_draft(self, folder: Path, draft: Any) -> None:
+        """Writes a draft's folder (config.json + model.safetensors) in bfloat16."""
+
+    @abc.abstractmethod
+    def evaluation_drafters(self, draft: Any, target: Weights) -> list[EvaluationDrafter]:
+        """The evaluate stage's drafting modes of a draft on the target."""
 
 
-def _no_check(cfg: TrainConfig, rows: dict) -> None:
-    """Every training row serves."""
+class Eagle3Kind(DraftKind):
+    """EAGLE-3: a head (an Eagle3Head) under the training-time-test loss, exported as LlamaForCausalLMEagle3."""
 
-
-# -- EAGLE-3: a head under the training-time-test loss, exported as LlamaForCausalLMEagle3 --------------------------
-
-
-def _eagle3_config(cfg: TrainConfig, target_cfg: ModelConfig) -> Eagle3Config:
-    base = Eagle3Config.default_for(target_cfg, cfg.model.draft_vocab_size)
-    overrides = {"norm_output": cfg.model.norm_output, "norm_before_residual": cfg.model.norm_before_residual}
-    if cfg.model.tap_layers is not None:
-        overrides["tap_layers"] = cfg.model.tap_layers
-    if cfg.model.intermediate_size is not None:
-        overrides["intermediate_size"] = cfg.model.intermediate_size
-    return dataclasses.replace(base, **overrides)
-
-
-def _eagle3_fresh(draft_cfg: Eagle3Config, seed: int, d2t: np.ndarray, t2d: np.ndarray) -> Eagle3Head:
-    head = Eagle3Head(draft_cfg, rngs=nnx.Rngs(seed))
-    head.d2t[...] = jnp.asarray(d2t, jnp.int32)
-    head.t2d[...] = jnp.asarray(t2d)
-    return head
-
-
-def _eagle3_drafters(head: Eagle3Head, target: Weights) -> list[EvaluationDrafter]:
-    return [
-        ("chain", f"K={EVAL_DRAFT_TOKENS}", Eagle3Drafter.create(head, target.embed, None), EVAL_DRAFT_TOKENS),
-        (
-            "tree",
-            f"tree {EVAL_TREE}",
-            Eagle3Drafter.create(head, target.embed, TreeSpec.parse(EVAL_TREE)),
-            EVAL_DRAFT_TOKENS,
-        ),
-    ]
-
-
-def _eagle3_card(cfg: TrainConfig, head_cfg: Eagle3Config, covers: str, taps: str) -> list[str]:
-    return [
-        f"# EAGLE-3 draft head for `{cfg.model.target}`",
-        "",
-        "Trained with specjax (`specjax-train`). Layout: `LlamaForCausalLMEagle3` (config.json + model.safetensors",
-        "with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), readable by vLLM, SGLang and the EAGLE repository.",
-        "",
-        "## Head",
-        f"- hidden {head_cfg.hidden_size}, {head_cfg.num_heads} heads / {head_cfg.num_kv_heads} KV heads, MLP "
-        f"{head_cfg.intermediate_size}, draft vocabulary {head_cfg.draft_vocab_size} of {head_cfg.vocab_size}{covers}",
-        taps,
-        "- the token embedding is the target's (not stored)",
-        "",
-    ]
-
-
-EAGLE3 = DraftKind(
-    name="eagle3",
-    section=None,
-    draft_config=_eagle3_config,
-    shape_fields=(
+    name = "eagle3"
+    section = None
+    shape_fields = (
         "hidden_size",
         "intermediate_size",
         "num_heads",
@@ -128,120 +100,116 @@ EAGLE3 = DraftKind(
         "tap_layers",
         "norm_output",
         "norm_before_residual",
-    ),
-    fresh=_eagle3_fresh,
-    load=lambda folder, target_cfg: load_eagle3(folder, target_cfg)[1],
-    config=lambda head: head.cfg,
-    vocab_size=lambda head, target_cfg: head.cfg.draft_vocab_size,
-    training=lambda head, cfg, target_cfg: Eagle3Training(head, target_cfg, cfg.training),
-    check_rows=_no_check,
-    export=lambda folder, head: save_eagle3(folder, head.cfg, head, dtype=jnp.bfloat16),
-    evaluation_drafters=_eagle3_drafters,
-    card_draft=_eagle3_card,
-    card_objective=lambda cfg: (
-        f"training-time test over {cfg.training.ttt_length} steps (loss weights {cfg.training.step_decay}^k)"
-    ),
-    card_source_labels="labelled by the target",
-    card_notes=(
-        "- the loss mask is shifted together with the labels (a row counts when the token it predicts is",
-        "  assistant content); the EAGLE and SpecForge trainers leave it unshifted",
-    ),
-)
+    )
+    card = Eagle3Card()
 
+    def draft_config(self, cfg: TrainConfig, target_cfg: ModelConfig) -> Eagle3Config:
+        base = Eagle3Config.default_for(target_cfg, cfg.model.draft_vocab_size)
+        overrides = {"norm_output": cfg.model.norm_output, "norm_before_residual": cfg.model.norm_before_residual}
+        if cfg.model.tap_layers is not None:
+            overrides["tap_layers"] = cfg.model.tap_layers
+        if cfg.model.intermediate_size is not None:
+            overrides["intermediate_size"] = cfg.model.intermediate_size
+        return dataclasses.replace(base, **overrides)
 
-# -- DFlash: a block-diffusion draft under the block loss, exported in the published DFlash layout ----------------
+    def random_draft(self, draft_cfg: Eagle3Config, seed: int, d2t: np.ndarray, t2d: np.ndarray) -> Eagle3Head:
+        head = Eagle3Head(draft_cfg, rngs=nnx.Rngs(seed))
+        head.d2t[...] = jnp.asarray(d2t, jnp.int32)
+        head.t2d[...] = jnp.asarray(t2d)
+        return head
+
+    def load_draft(self, folder: Path, target_cfg: ModelConfig) -> Eagle3Head:
+        return load_eagle3(folder, target_cfg)[1]
+
+    def config_of(self, draft: Eagle3Head) -> Eagle3Config:
+        return draft.cfg
+
+    def draft_vocab_size(self, draft: Eagle3Head, target_cfg: ModelConfig) -> int:
+        return draft.cfg.draft_vocab_size
+
+    def trainable(self, draft: Eagle3Head, cfg: TrainConfig, target_cfg: ModelConfig) -> Eagle3Training:
+        return Eagle3Training(draft, target_cfg, cfg.training)
+
+    def check_training_rows(self, cfg: TrainConfig, rows: dict) -> None:
+        """Every training row serves."""
+
+    def export_draft(self, folder: Path, draft: Eagle3Head) -> None:
+        save_eagle3(folder, draft.cfg, draft, dtype=jnp.bfloat16)
+
+    def evaluation_drafters(self, draft: Eagle3Head, target: Weights) -> list[EvaluationDrafter]:
+        """A chain of EVAL_DRAFT_TOKENS drafts, and the tree EVAL_TREE."""
+        tree = TreeSpec.parse(EVAL_TREE)
+        return [
+            ("chain", f"K={EVAL_DRAFT_TOKENS}", Eagle3Drafter.create(draft, target.embed, None), EVAL_DRAFT_TOKENS),
+            ("tree", f"tree {EVAL_TREE}", Eagle3Drafter.create(draft, target.embed, tree), EVAL_DRAFT_TOKENS),
+        ]
 
 
 DFlashDraft = tuple[DFlashConfig, Any]  # (config, DFlashWeights)
 
 
-def _dflash_config(cfg: TrainConfig, target_cfg: ModelConfig) -> DFlashConfig:
-    d = cfg.dflash
-    ids = None if cfg.model.tap_layers is None else tuple(t - 1 for t in cfg.model.tap_layers)
-    draft = DFlashConfig.default_for(
-        target_cfg, d.mask_token_id, num_layers=d.num_layers, block_size=d.block_size, target_layer_ids=ids
-    )
-    draft.check_target(target_cfg)
-    return draft
+class DFlashKind(DraftKind):
+    """DFlash: a block-diffusion draft (a (config, weights) pair) under the block loss, exported in the published
+    DFlash layout."""
 
-
-def _dflash_fresh(draft_cfg: DFlashConfig, seed: int, d2t: np.ndarray, t2d: np.ndarray) -> DFlashDraft:
-    return draft_cfg, init_dflash(draft_cfg, jax.random.key(seed), vocab_ids=np.flatnonzero(t2d))
-
-
-def _dflash_check_rows(cfg: TrainConfig, rows: dict) -> None:
-    mask = cfg.dflash.mask_token_id
-    written = np.count_nonzero(rows["tokens"][rows["loss_mask"] > 0] == mask)
-    if written:
-        raise InputError(
-            f"dflash.mask_token_id {mask} occurs {written} times in the responses; choose a token the target never "
-            "writes (an unused special token)"
-        )
-
-
-def _dflash_drafters(draft: DFlashDraft, target: Weights) -> list[EvaluationDrafter]:
-    draft_cfg, weights = draft
-    drafter = DFlashDrafter.for_target(weights, draft_cfg, target)
-    return [("chain", f"block of {draft_cfg.block_size}, K={draft_cfg.max_drafts}", drafter, draft_cfg.max_drafts)]
-
-
-def _dflash_card(cfg: TrainConfig, d: DFlashConfig, covers: str, taps: str) -> list[str]:
-    stack = d.layers
-    return [
-        f"# DFlash draft for `{cfg.model.target}`",
-        "",
-        "Trained with specjax (`specjax-train`). Layout: the published DFlash draft (config.json with",
-        "`dflash_config` + model.safetensors with `fc`, `hidden_norm`, `layers.*`, `norm`), plus specjax's",
-        "`vocab_ids` (the draft vocabulary) when it scores fewer tokens than the target's.",
-        "",
-        "## Draft",
-        f"- {stack.num_layers} decoder layer(s), hidden {stack.hidden_size}, {stack.num_heads} heads / "
-        f"{stack.num_kv_heads} KV heads, MLP {stack.intermediate_size}; block size {d.block_size} (up to "
-        f"{d.max_drafts} drafts a round), mask token {d.mask_token_id}",
-        f"- draft vocabulary {cfg.model.draft_vocab_size} of {stack.vocab_size}{covers}",
-        taps,
-        "- the token embedding and LM head are the target's (not stored)",
-        "",
-    ]
-
-
-def _dflash_objective(cfg: TrainConfig) -> str:
-    d = cfg.dflash
-    return (
-        f"block loss over {d.num_anchors} random anchors per row (position weights exp(-(k-1)/{d.loss_decay:g})), "
-        "labels the target's own tokens"
-    )
-
-
-DFLASH = DraftKind(
-    name="dflash",
-    section="dflash",
-    draft_config=_dflash_config,
-    shape_fields=(
+    name = "dflash"
+    section = "dflash"
+    shape_fields = (
         "block_size",
         "mask_token_id",
         "target_layer_ids",
         "layers.num_layers",
         "layers.intermediate_size",
         "draft_vocab_size",
-    ),
-    fresh=_dflash_fresh,
-    load=load_dflash,
-    config=lambda draft: draft[0],
-    vocab_size=lambda draft, target_cfg: (
-        target_cfg.vocab_size if draft[1].vocab_ids is None else len(draft[1].vocab_ids)
-    ),
-    training=lambda draft, cfg, target_cfg: DFlashTraining(*draft, target_cfg, cfg.dflash, cfg.training.seed),
-    check_rows=_dflash_check_rows,
-    export=lambda folder, draft: save_dflash(folder, *draft, dtype=jnp.bfloat16),
-    evaluation_drafters=_dflash_drafters,
-    card_draft=_dflash_card,
-    card_objective=_dflash_objective,
-    card_source_labels="their own tokens the labels",
-    card_notes=(),
-)
+    )
+    card = DFlashCard()
 
-DRAFT_KINDS = {kind.name: kind for kind in (EAGLE3, DFLASH)}
+    def draft_config(self, cfg: TrainConfig, target_cfg: ModelConfig) -> DFlashConfig:
+        d = cfg.dflash
+        ids = None if cfg.model.tap_layers is None else tuple(t - 1 for t in cfg.model.tap_layers)
+        draft = DFlashConfig.default_for(
+            target_cfg, d.mask_token_id, num_layers=d.num_layers, block_size=d.block_size, target_layer_ids=ids
+        )
+        draft.check_target(target_cfg)
+        return draft
+
+    def random_draft(self, draft_cfg: DFlashConfig, seed: int, d2t: np.ndarray, t2d: np.ndarray) -> DFlashDraft:
+        return draft_cfg, init_dflash(draft_cfg, jax.random.key(seed), vocab_ids=np.flatnonzero(t2d))
+
+    def load_draft(self, folder: Path, target_cfg: ModelConfig) -> DFlashDraft:
+        return load_dflash(folder, target_cfg)
+
+    def config_of(self, draft: DFlashDraft) -> DFlashConfig:
+        return draft[0]
+
+    def draft_vocab_size(self, draft: DFlashDraft, target_cfg: ModelConfig) -> int:
+        vocab_ids = draft[1].vocab_ids
+        return target_cfg.vocab_size if vocab_ids is None else len(vocab_ids)
+
+    def trainable(self, draft: DFlashDraft, cfg: TrainConfig, target_cfg: ModelConfig) -> DFlashTraining:
+        return DFlashTraining(*draft, target_cfg, cfg.dflash, cfg.training.seed)
+
+    def check_training_rows(self, cfg: TrainConfig, rows: dict) -> None:
+        """Refuses responses that write the mask token: the draft could not tell them from the blocks' masks."""
+        mask = cfg.dflash.mask_token_id
+        written = np.count_nonzero(rows["tokens"][rows["loss_mask"] > 0] == mask)
+        if written:
+            raise InputError(
+                f"dflash.mask_token_id {mask} occurs {written} times in the responses; choose a token the target "
+                "never writes (an unused special token)"
+            )
+
+    def export_draft(self, folder: Path, draft: DFlashDraft) -> None:
+        save_dflash(folder, *draft, dtype=jnp.bfloat16)
+
+    def evaluation_drafters(self, draft: DFlashDraft, target: Weights) -> list[EvaluationDrafter]:
+        """The whole block: K = the block's drafts."""
+        draft_cfg, weights = draft
+        drafter = DFlashDrafter.for_target(weights, draft_cfg, target)
+        return [("chain", f"block of {draft_cfg.block_size}, K={draft_cfg.max_drafts}", drafter, draft_cfg.max_drafts)]
+
+
+DRAFT_KINDS: dict[str, DraftKind] = {kind.name: kind for kind in (Eagle3Kind(), DFlashKind())}
 assert DRAFT_KINDS.keys() == DRAFTERS.keys(), "specjax/train/config.py's DRAFTERS names the kinds of DRAFT_KINDS"
 
 

@@ -1,18 +1,95 @@
 """The README.md written next to an exported draft: what it is, how it was trained and how well it drafts.
 
-The lines that differ between kinds of draft come from the run's `DraftKind` (specjax/train/kinds.py); the rest is
-shared.
+The lines that differ between kinds of draft are a `CardText` of each kind (`Eagle3Card`, `DFlashCard`), which the
+run's `DraftKind` (specjax/train/kinds.py) names; the rest is shared.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 from pathlib import Path
 
 import yaml
 
+from specjax.models.dflash import DFlashConfig
+from specjax.models.eagle3 import Eagle3Config
 from specjax.train.config import TrainConfig, config_to_dict
-from specjax.train.kinds import draft_kind
+
+
+class CardText(abc.ABC):
+    """What the model card of one kind of draft says of it."""
+
+    # How the standard-library answers are labelled (after "... as assistant answers, ").
+    source_labels: str
+    notes: tuple[str, ...] = ()  # lines after the data lines
+
+    @abc.abstractmethod
+    def draft_section(self, cfg: TrainConfig, draft_cfg, covers: str, taps: str) -> list[str]:
+        """The title and the draft's section, from the run's config and the draft's, with the shared phrases of the
+        vocabulary's coverage (`covers`) and of the taps (`taps`)."""
+
+    @abc.abstractmethod
+    def objective(self, cfg: TrainConfig) -> str:
+        """The training objective, in one phrase."""
+
+
+class Eagle3Card(CardText):
+    source_labels = "labelled by the target"
+    notes = (
+        "- the loss mask is shifted together with the labels (a row counts when the token it predicts is",
+        "  assistant content); the EAGLE and SpecForge trainers leave it unshifted",
+    )
+
+    def draft_section(self, cfg: TrainConfig, draft_cfg: Eagle3Config, covers: str, taps: str) -> list[str]:
+        return [
+            f"# EAGLE-3 draft head for `{cfg.model.target}`",
+            "",
+            "Trained with specjax (`specjax-train`). Layout: `LlamaForCausalLMEagle3` (config.json + model.safetensors",
+            "with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), readable by vLLM, SGLang and the EAGLE "
+            "repository.",
+            "",
+            "## Head",
+            f"- hidden {draft_cfg.hidden_size}, {draft_cfg.num_heads} heads / {draft_cfg.num_kv_heads} KV heads, MLP "
+            f"{draft_cfg.intermediate_size}, draft vocabulary {draft_cfg.draft_vocab_size} of "
+            f"{draft_cfg.vocab_size}{covers}",
+            taps,
+            "- the token embedding is the target's (not stored)",
+            "",
+        ]
+
+    def objective(self, cfg: TrainConfig) -> str:
+        return f"training-time test over {cfg.training.ttt_length} steps (loss weights {cfg.training.step_decay}^k)"
+
+
+class DFlashCard(CardText):
+    source_labels = "their own tokens the labels"
+
+    def draft_section(self, cfg: TrainConfig, draft_cfg: DFlashConfig, covers: str, taps: str) -> list[str]:
+        stack = draft_cfg.layers
+        return [
+            f"# DFlash draft for `{cfg.model.target}`",
+            "",
+            "Trained with specjax (`specjax-train`). Layout: the published DFlash draft (config.json with",
+            "`dflash_config` + model.safetensors with `fc`, `hidden_norm`, `layers.*`, `norm`), plus specjax's",
+            "`vocab_ids` (the draft vocabulary) when it scores fewer tokens than the target's.",
+            "",
+            "## Draft",
+            f"- {stack.num_layers} decoder layer(s), hidden {stack.hidden_size}, {stack.num_heads} heads / "
+            f"{stack.num_kv_heads} KV heads, MLP {stack.intermediate_size}; block size {draft_cfg.block_size} (up to "
+            f"{draft_cfg.max_drafts} drafts a round), mask token {draft_cfg.mask_token_id}",
+            f"- draft vocabulary {cfg.model.draft_vocab_size} of {stack.vocab_size}{covers}",
+            taps,
+            "- the token embedding and LM head are the target's (not stored)",
+            "",
+        ]
+
+    def objective(self, cfg: TrainConfig) -> str:
+        d = cfg.dflash
+        return (
+            f"block loss over {d.num_anchors} random anchors per row (position weights "
+            f"exp(-(k-1)/{d.loss_decay:g})), labels the target's own tokens"
+        )
 
 
 def _last_metrics(path: Path, lines: int = 5) -> list[dict]:
@@ -32,6 +109,7 @@ def _starting_head(card: str | None) -> list[str]:
 
 def model_card(
     cfg: TrainConfig,
+    text: CardText,
     draft_cfg,
     manifest: dict,
     synthetic: dict | None,
@@ -39,19 +117,18 @@ def model_card(
     evaluation: dict | None,
     start_card: str | None = None,
 ) -> str:
-    """Markdown model card of an exported draft (`synthetic`: the synthesize stage's manifest, if any;
-    `start_card`: the card of the `training.init_from` head)."""
+    """Markdown model card of an exported draft (`text`: its kind's lines, `DraftKind.card`; `synthetic`: the
+    synthesize stage's manifest, if any; `start_card`: the card of the `training.init_from` head)."""
     last = _last_metrics(cfg.output_path / "train" / "metrics.jsonl")
     acc = ", ".join(f"{sum(a) / len(a):.3f}" for a in zip(*(m["acc_k"] for m in last))) if last else "n/a"
     steps = last[-1]["step"] if last else 0
-    kind = draft_kind(cfg)
     covers = f" (covers {coverage:.2%} of the tokens the target wrote)" if coverage is not None else ""
     taps = (
         f"- taps: the residual stream entering target layers {list(draft_cfg.tap_layers)} "
         f"(outputs of layers {[t - 1 for t in draft_cfg.tap_layers]})"
     )
     lines = [
-        *kind.card_draft(cfg, draft_cfg, covers, taps),
+        *text.draft_section(cfg, draft_cfg, covers, taps),
         "## Data",
         f"- prompt sources: {', '.join(f'`{p}`' for p in cfg.data.prompt_sources)}; "
         f"{manifest.get('conversations', '?')} training conversations, {cfg.data.eval_prompts} held out, "
@@ -77,17 +154,16 @@ def model_card(
         *(
             [
                 f"- plus {manifest['source_samples']} blocks of the Python {manifest.get('python', '')} standard "
-                f"library's source ({manifest['source_tokens']} tokens) as assistant answers, "
-                + kind.card_source_labels
+                f"library's source ({manifest['source_tokens']} tokens) as assistant answers, " + text.source_labels
             ]
             if manifest.get("source_samples")
             else []
         ),
-        *kind.card_notes,
+        *text.notes,
         "",
         "## Training",
         f"- {steps} steps of {cfg.training.batch_size} packed rows x {cfg.training.seq_len} tokens, "
-        f"{kind.card_objective(cfg)}, target features {cfg.training.features}",
+        f"{text.objective(cfg)}, target features {cfg.training.features}",
         f"- final accuracy per draft position (agreement with the target's token on assistant rows, mean of the last "
         f"{len(last)} logged steps): {acc}",
         *(

@@ -122,10 +122,10 @@ def initial_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[Any, Any]:
     draft in its exported form, specjax/train/kinds.py)."""
     kind = draft_kind(cfg)
     try:
-        draft = kind.load(init_from_folder(cfg), model.cfg)
+        draft = kind.load_draft(init_from_folder(cfg), model.cfg)
     except SpecjaxError as e:
         raise InputError(f"training.init_from: {e}") from None
-    found, want = kind.config(draft), kind.draft_config(cfg, model.cfg)
+    found, want = kind.config_of(draft), kind.draft_config(cfg, model.cfg)
 
     def shape(config, draft_vocab: int) -> dict:  # the draft vocabulary: a field of EAGLE-3's config, not DFlash's
         return {
@@ -133,7 +133,7 @@ def initial_draft(cfg: TrainConfig, model: LoadedModel) -> tuple[Any, Any]:
             for name in kind.shape_fields
         }
 
-    have, need = shape(found, kind.vocab_size(draft, model.cfg)), shape(want, cfg.model.draft_vocab_size)
+    have, need = shape(found, kind.draft_vocab_size(draft, model.cfg)), shape(want, cfg.model.draft_vocab_size)
     differ = [f"{name} {have[name]} (run: {need[name]})" for name in have if have[name] != need[name]]
     if differ:
         raise InputError(f"training.init_from {cfg.training.init_from} has another shape: {', '.join(differ)}")
@@ -250,8 +250,8 @@ def build_trainer(cfg: TrainConfig, model: LoadedModel) -> Trainer:
         _, draft = initial_draft(cfg, model)
     else:
         d2t, t2d = load_vocab(cfg.output_path / "vocab.npz")
-        draft = kind.fresh(kind.draft_config(cfg, model.cfg), cfg.training.seed, d2t, t2d)
-    training = kind.training(draft, cfg, model.cfg)
+        draft = kind.random_draft(kind.draft_config(cfg, model.cfg), cfg.training.seed, d2t, t2d)
+    training = kind.trainable(draft, cfg, model.cfg)
     return Trainer(cfg, model.cfg, model.weights, training, make_mesh(cfg.mesh.axes))
 
 
@@ -261,7 +261,7 @@ def stage_train(cfg: TrainConfig, model: LoadedModel) -> None:
         rows = load_features(features_dir(cfg), stored_layers(cfg, model), t.seq_len)
     else:
         rows = packed_rows(cfg)
-    draft_kind(cfg).check_rows(cfg, rows)
+    draft_kind(cfg).check_training_rows(cfg, rows)
     if t.data_fraction < 1:
         keep = nested_subset(len(rows["tokens"]), t.data_fraction, t.seed)
         rows = {key: value[keep] for key, value in rows.items()}
@@ -359,7 +359,7 @@ def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
     _, draft = trained_draft(cfg, model)
     folder = cfg.output_path / "export"
     if jax.process_index() == 0:  # one writer
-        kind.export(folder, draft)
+        kind.export_draft(folder, draft)
         out = cfg.output_path
         manifest = read_manifest(out / "data", "holds no finished dataset; run the regenerate stage first")
         vocab = _json_if_present(out / "vocab.json")
@@ -368,7 +368,7 @@ def stage_export(cfg: TrainConfig, model: LoadedModel) -> Path:
         synthetic = _json_if_present(out / "prompts" / "manifest.json")
         start = init_from_folder(cfg) / "README.md" if cfg.training.init_from else None
         start_card = start.read_text() if start and start.is_file() else None
-        card = model_card(cfg, kind.config(draft), manifest, synthetic, coverage, evaluation, start_card)
+        card = model_card(cfg, kind.card, kind.config_of(draft), manifest, synthetic, coverage, evaluation, start_card)
         write_file(folder / "README.md", card)
     return folder
 
