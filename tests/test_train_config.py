@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specjax.errors import InputError
 from specjax.config import build_config
+from specjax.errors import InputError
 from specjax.train.config import TrainConfig, config_to_dict, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
