@@ -1,7 +1,8 @@
 """specjax: exact speculative decoding of Llama-family models in JAX.
 
-The front door: load a model, decode plainly or speculatively with any drafter, fixed or adaptive drafting, and the
-errors every entry point raises. Everything else is importable from its sub-package (docs/architecture.md).
+The front door: load a model, set a run up (`prepare_decoding`: drafter, policy, memory plan), decode plainly or
+speculatively with any drafter, fixed or adaptive drafting, and the errors every entry point raises. Everything
+else is importable from its sub-package (docs/architecture.md).
 """
 
 from specjax.adaptive import Adaptive, Fixed
@@ -28,6 +29,7 @@ from specjax.models.llama import (
     weight_specs,
     weights_from_hf,
 )
+from specjax.prepare import DecodeConfig, Decoding, load_decode_config, prepare_decoding
 from specjax.sampling import Sampling, probabilities, process_logits, sample
 from specjax.sharding import make_mesh
 
@@ -36,6 +38,8 @@ __all__ = [
     "ChainDrafter",
     "CheckpointError",
     "Completion",
+    "DecodeConfig",
+    "Decoding",
     "Drafter",
     "Fixed",
     "GenerateResult",
@@ -60,9 +64,11 @@ __all__ = [
     "generate",
     "init_weights",
     "load_gguf",
+    "load_decode_config",
     "load_hf",
     "load_model",
     "make_mesh",
+    "prepare_decoding",
     "probabilities",
     "process_logits",
     "sample",

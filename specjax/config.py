@@ -6,8 +6,13 @@ import dataclasses
 import math
 import numbers
 import reprlib
+import types
+import typing
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from specjax.errors import CheckpointError, InputError, UnsupportedModelError
 
@@ -358,3 +363,110 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config files: frozen dataclasses read from YAML or a mapping, with `section.key=value` overrides (the trainer's
+# `specjax.train.config`, decoding's `specjax.prepare.DecodeConfig`).
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The raw mapping of a YAML config file. Raises InputError on a file that cannot be read or bad YAML."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except OSError as e:
+        raise InputError(f"cannot read config {str(path)!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise InputError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return raw
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    """Checks (and lightly coerces: int -> float, list -> tuple) one value against its annotation."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_type(value, option, where)
+            except InputError as e:
+                errors.append(str(e))
+        raise InputError(errors[0])
+    if origin is dict:
+        key_hint, value_hint = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise InputError(f"{where} must be a mapping, got {value!r}")
+        return {
+            _check_type(k, key_hint, f"{where} key"): _check_type(v, value_hint, f"{where}.{k}")
+            for k, v in value.items()
+        }
+    if origin is tuple:
+        item = typing.get_args(hint)[0]
+        if not isinstance(value, (list, tuple)):
+            raise InputError(f"{where} must be a list, got {value!r}")
+        return tuple(_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        # YAML 1.1 (PyYAML) reads "1e-4" (no dot) as a string; accept what Python reads as a finite number.
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if math.isfinite(number):
+            return number
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise InputError(f"{where} must be {hint.__name__}, got {value!r}")
+    if hint is int and not -INT32_END <= value < INT32_END:  # counts and seeds land in 32-bit arrays
+        raise InputError(f"{where} must be an integer below 2**31 in size, got {value}")
+    return value
+
+
+def build_config(cls: type, raw: Any, where: str = "") -> Any:
+    """A config dataclass from a raw mapping (read from YAML, or given), its nested dataclasses built alike.
+
+    Args:
+      cls: the frozen dataclass; each field's annotation is what its value is checked against.
+      raw: the mapping of field names to values.
+      where: the dotted key `raw` sits at, for the messages ("" at the top).
+    Returns:
+      The dataclass. Raises InputError, naming the valid keys, on an unknown key, and on a value of the wrong type.
+    """
+    if not isinstance(raw, dict):
+        raise InputError(f"{where or 'the config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise InputError(
+            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+            f"valid keys{' in ' + where if where else ''}: {', '.join(sorted(fields))}"
+        )
+    values = {}
+    for name, value in raw.items():
+        key = f"{where}.{name}" if where else name
+        hint = hints[name]
+        values[name] = (
+            build_config(hint, value, key) if dataclasses.is_dataclass(hint) else _check_type(value, hint, key)
+        )
+    return cls(**values)
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """Applies one `section.key=value` override (the value is parsed as YAML) to a raw config dict in place."""
+    if "=" not in override:
+        raise InputError(f"override {override!r} is not of the form section.key=value")
+    path, value = override.split("=", 1)
+    keys = path.strip().split(".")
+    node = raw
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise InputError(f"override {override!r}: {k} is not a section")
+    node[keys[-1]] = yaml.safe_load(value)

@@ -135,10 +135,12 @@ def parse_mesh(text: str) -> dict[str, int]:
         name, _, size = part.partition("=")
         name = name.strip()
         if name not in MESH_AXES or not size.strip().lstrip("-").isdigit():
-            raise InputError(f"--mesh {text!r}: expected axes like data=2,tensor=4 (axes: {', '.join(MESH_AXES)})")
+            raise InputError(
+                f"{{mesh}}: expected axes like data=2,tensor=4 (axes: {', '.join(MESH_AXES)})", settings={"mesh": text}
+            )
         sizes[name] = int(size)
     if any(s == 0 or s < -1 for s in sizes.values()):
-        raise InputError(f"--mesh {text!r}: sizes must be positive, or -1 for the rest of the devices")
+        raise InputError("{mesh}: sizes must be positive, or -1 for the rest of the devices", settings={"mesh": text})
     return sizes
 
 

@@ -13,13 +13,13 @@ import pytest
 
 import specjax.decoding.speculative as spec
 from specjax.adaptive import Fixed
-from specjax.cli import common as cli
 from specjax.config import ModelConfig, RopeScaling, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
 from specjax.decoding.batch import pack_prompts
 from specjax.drafters import DFlashDrafter, drafter_from_spec
 from specjax.errors import CheckpointError, InputError
 from specjax.io.dflash_checkpoint import load_dflash, save_dflash
+from specjax.measure.calibration import auto_max_drafts
 from specjax.models.dflash import DFlashConfig, context_kv, default_target_layer_ids, init_dflash
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
@@ -237,7 +237,7 @@ def test_bad_drafts_are_refused(tmp_path):
         drafter_from_spec(f"dflash:{tmp_path / 'missing'}", TARGET, TARGET_CFG)
     # Adaptive drafting stays within the block, alone and behind prompt lookup.
     lookup_first = drafter_from_spec(f"ngram+dflash:{tmp_path}", TARGET, TARGET_CFG)
-    assert cli.auto_max_drafts(DRAFT) == cli.auto_max_drafts(lookup_first) == CFG.max_drafts == 4
+    assert auto_max_drafts(DRAFT) == auto_max_drafts(lookup_first) == CFG.max_drafts == 4
 
     hf = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(hf | {"layer_types": ["sliding_attention"] * 2}))

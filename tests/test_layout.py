@@ -25,6 +25,7 @@ LAYERS = [
     "specjax.adaptive",
     "specjax.decoding",
     "specjax.measure",
+    "specjax.prepare",
     "specjax.serving",
     "specjax.train",
     "specjax",
@@ -94,6 +95,41 @@ def test_the_import_graph_has_no_cycle():
     for name in sorted(GRAPH):
         if name not in state:
             visit(name, [name])
+
+
+# The steps of setting decoding up, which `specjax.prepare.prepare_decoding` takes in order: building the drafter,
+# fixing and checking its K, calibrating an adaptive menu, planning and checking the memory.
+SETUP_STEPS = {
+    "drafter_from_spec",
+    "draft_loader",
+    "with_lookup_tokens",
+    "check_inputs",
+    "as_policy",
+    "calibrated",
+    "auto_max_drafts",
+    "memory_plan",
+    "check_fits",
+}
+
+
+def names_in(path: Path) -> set[str]:
+    """Every name a file uses: variables, attributes and what it imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            found |= {alias.name.split(".")[-1] for alias in node.names}
+    return found
+
+
+def test_the_decoding_tools_set_decoding_up_by_the_one_library_call():
+    for path in (ROOT / "cli").glob("*.py"):
+        assert not names_in(path) & SETUP_STEPS, (path.name, names_in(path) & SETUP_STEPS)
+    for tool in ("generate", "serve", "bench"):
+        assert "prepare_decoding" in names_in(ROOT / "cli" / f"{tool}.py"), tool
 
 
 def test_the_layout_check_sees_an_upward_import():

@@ -12,9 +12,9 @@ from test_eagle3_checkpoint import LLAMA31_8B
 
 import specjax.decoding.autoregressive as ar_loop
 import specjax.decoding.speculative as spec
+from specjax import prepare
 from specjax.adaptive import Fixed
 from specjax.cli import bench
-from specjax.cli import common as cli
 from specjax.cli import generate as generate_cli
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import decode
@@ -162,13 +162,15 @@ def test_a_run_that_does_not_fit_names_the_smallest_mesh_that_does():
     ]
     available = plan_at(4, {"data": 1, "tensor": 4}).total
     assert plan_at(4, {"data": 2, "tensor": 1}).total > available  # so the tensor=4 mesh is the first that fits
-    with pytest.raises(InputError, match=r"a batch of \d would fit, or --mesh data=1,tensor=4 \(4 devices\) would$"):
+    with pytest.raises(
+        InputError, match=r"a batch of \d would fit, or mesh=\{'data': 1, 'tensor': 4\} \(4 devices\) would$"
+    ):
         plan.check_fits(plan_at, 4, available, devices=8)
 
 
 @pytest.mark.parametrize("main", [generate_cli.entry, bench.entry])
 def test_a_run_that_does_not_fit_is_refused_in_one_line(main, monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(cli, "device_memory", lambda: 40 * 2**20)  # the tiny model's weights take 25 MiB
+    monkeypatch.setattr(prepare, "device_memory", lambda: 40 * 2**20)  # the tiny model's weights take 25 MiB
     for loops in (ar_loop, spec):  # nothing compiles
         monkeypatch.setattr(loops, "compiled", lambda *a: pytest.fail("compiled"))
     argv = ["--model", "tiny-random", *["--prompt", "Hi"] * 8, "--batch-size", "8", "--max-new-tokens", "1000"]
@@ -191,7 +193,7 @@ def test_weights_that_would_not_fit_are_refused_before_a_tensor_is_read(monkeypa
     with pytest.raises(
         InputError,
         match=r"^8b: the weights need 14\.96 GiB on each device but one holds 12\.00 GiB; "
-        r"--quantize int8 would$",
+        r"quantize='int8' would$",
     ):
         llama.weights_from_hf(cfg, read.append, jnp.bfloat16, source="8b")
     assert read == []

@@ -170,7 +170,7 @@ def test_mesh_flags_and_defaults():
     assert parse_mesh("data=2,tensor=4") == {"data": 2, "tensor": 4}
     assert parse_mesh("tensor=-1") == {"data": 1, "tensor": -1}
     for bad in ("model=2", "data=two", "data=0", "data=-2"):
-        with pytest.raises(InputError, match="--mesh"):
+        with pytest.raises(InputError, match=f"^mesh='{bad}': "):
             parse_mesh(bad)
     assert default_mesh_axes(8, 8) == {"data": 1, "tensor": 8}
     assert default_mesh_axes(8, 2) == {"data": 4, "tensor": 2}

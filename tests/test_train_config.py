@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specjax.config import build_config
 from specjax.errors import InputError
-from specjax.train.config import TrainConfig, _build, config_to_dict, load_config
+from specjax.train.config import TrainConfig, config_to_dict, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SMOKE = CONFIGS / "smoke.yaml"
@@ -84,7 +85,7 @@ def test_round_trip_through_dict():
     cfg = load_config(SMOKE, ["model.tap_layers=[0, 1, 2]", "mesh.rules.mlp=[tensor, fsdp]"])
     raw = config_to_dict(cfg)
     assert raw["model"]["tap_layers"] == [0, 1, 2]
-    assert _build(TrainConfig, yaml.safe_load(yaml.safe_dump(raw)), "") == cfg
+    assert build_config(TrainConfig, yaml.safe_load(yaml.safe_dump(raw))) == cfg
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

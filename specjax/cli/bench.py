@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from specjax.adaptive import Adaptive
+from specjax.adaptive import Adaptive, Fixed
 from specjax.cli import common as cli
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import speculative
@@ -28,7 +28,7 @@ from specjax.decoding.autoregressive import generate
 from specjax.decoding.batch import compilation_summary, compilations, num_slots
 from specjax.decoding.engine import Engine
 from specjax.decoding.stats import SpecStats, acceptance
-from specjax.drafters import Drafter, LayerSkipDrafter, drafter_from_spec
+from specjax.drafters import Drafter, LayerSkipDrafter
 from specjax.drafters.ngram import DEFAULT_NGRAM
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
@@ -48,6 +48,7 @@ from specjax.measure.timing import (
     shape_timers,
 )
 from specjax.models.llama import chunk_size, weight_bytes
+from specjax.prepare import DecodeConfig, prepare_decoding
 
 
 @dataclasses.dataclass
@@ -227,22 +228,35 @@ def drafter_spec(
 
 
 def specjax_speculative(mode: str) -> Callable[..., SpeculativeRunner]:
-    """Speculative decoding with the drafter of `mode`, built by `drafter_from_spec`."""
+    """Speculative decoding with the drafter of `mode`, set up by `specjax.prepare.prepare_decoding`."""
 
     def prepare(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int, **options):
-        tree = TreeSpec.parse(options["tree"] or DEFAULT_TREE) if mode == "eagle3-tree" else None
+        tree = (options["tree"] or DEFAULT_TREE) if mode == "eagle3-tree" else None
         spec = drafter_spec(
             mode, model.cfg, options["ngram"], options["draft_layers"], options["eagle3"], options["dflash"]
         )
-        drafter = drafter_from_spec(spec, model.weights, model.cfg, tree=tree)
-        k = tree.depth if tree is not None else options["num_draft_tokens"]  # a tree's round is its own
-        lookup_tokens = options["lookup_tokens"] if mode == "ngram+eagle3" else None
-        drafter, verified = cli.fixed_drafting(model, drafter, "auto" if options["auto"] else k, lookup_tokens)
-        cli.check_memory(options["plan_at"](drafter, verified), batch_size)
-        if verified == "auto":
-            verified = cli.adaptive_drafting(model, drafter, sampling, batch_size)
+        k = TreeSpec.parse(tree).depth if tree is not None else options["num_draft_tokens"]  # a tree's round is its own
+        decoding = prepare_decoding(
+            model,
+            dataclasses.replace(
+                options["decode"],
+                drafter=spec,
+                num_draft_tokens="auto" if options["auto"] else k,
+                lookup_tokens=options["lookup_tokens"] if mode == "ngram+eagle3" else None,
+                tree=tree,
+            ),
+        )
+        policy = decoding.policy
+        verified = policy.k if isinstance(policy, Fixed) else policy
         return SpeculativeRunner(
-            model, drafter, sampling, eos, batch_size, verified, draft_steps=k, prefill_chunk=options["prefill_chunk"]
+            model,
+            decoding.drafter,
+            sampling,
+            eos,
+            batch_size,
+            verified,
+            draft_steps=k,
+            prefill_chunk=options["prefill_chunk"],
         )
 
     return prepare
@@ -642,12 +656,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     used = sum(len(g) for g in groups)
 
     context = typical_context(groups, args.max_new_tokens)
-    longest = max(len(p) for g in groups for p in g)
-
-    def plan_at(drafter, num_draft_tokens):
-        return cli.memory_plan_at(model, drafter, num_draft_tokens, longest, args.max_new_tokens, args.prefill_chunk)
-
-    cli.check_memory(plan_at(None, 0), batch_size)  # the weights and the autoregressive loop, before any mode
+    # The weights and the autoregressive loop, checked before any mode; each speculative mode checks its own drafter.
+    decode = DecodeConfig(
+        drafter="none",
+        sampling=sampling,
+        rows=batch_size,
+        prompt_len=max(len(p) for g in groups for p in g),
+        max_new_tokens=args.max_new_tokens,
+        prefill_chunk=args.prefill_chunk,
+    )
+    prepare_decoding(model, decode)
     options = dict(
         num_draft_tokens=args.num_draft_tokens,
         ngram=args.ngram,
@@ -656,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         eagle3=args.eagle3,
         tree=args.tree,
         dflash=args.dflash,
-        plan_at=plan_at,
+        decode=decode,
         prefill_chunk=args.prefill_chunk,
     )
 

@@ -1,4 +1,4 @@
-"""Pieces shared by the command-line tools: one-line errors, prompt files, model and sampling flags."""
+"""Pieces shared by the command-line tools: one-line errors (in flags), prompt files, model and sampling flags."""
 
 from __future__ import annotations
 
@@ -6,22 +6,19 @@ import argparse
 import os
 import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
 from specjax.config import INT32_END, SamplingConfig
 from specjax.errors import InputError, OutputError, SpecjaxError
-from specjax.host import device_memory, start_distributed, status, write_file
+from specjax.host import start_distributed, write_file
 from specjax.io.jsonl import read_prompt_records
 from specjax.io.loading import load_model
 from specjax.io.tokenizer import Tokenizer
-from specjax.measure.calibration import CALIBRATION_DRAFT_TOKENS
-from specjax.measure.memory import MemoryPlan, check_fits, memory_plan
-from specjax.models.quantize import QUANTIZE_CHOICES, quantization
-from specjax.sharding import mesh_of, parse_mesh
+from specjax.models.quantize import QUANTIZE_CHOICES
+from specjax.sharding import parse_mesh
 
 RawDescription = argparse.RawDescriptionHelpFormatter
 DEFAULT_DRAFT_TOKENS = 5  # K, drafts per round, of specjax-generate and specjax-bench when none is given
@@ -47,12 +44,24 @@ def prefer_onednn_dots() -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {ONEDNN_DOTS}=dot".strip()
 
 
+def flag_spelling(name: str, value: object) -> str:
+    """A setting a library error names (`specjax.errors.SpecjaxError.spelled`), as the flag that sets it: the
+    setting's name with dashes (`num_draft_tokens` -> `--num-draft-tokens`), then its value as the flag takes it
+    (`--mesh data=1,tensor=2`, `--quantize int8`)."""
+    flag = "--" + name.replace("_", "-")
+    if value is None:
+        return flag
+    if isinstance(value, Mapping):
+        value = ",".join(f"{axis}={size}" for axis, size in value.items())
+    return f"{flag} {value}"
+
+
 def run(main: Callable[[Sequence[str] | None], None], prog: str, argv: Sequence[str] | None = None) -> None:
     """Runs a CLI body: a SpecjaxError becomes one line on stderr and exit code 2, never a traceback."""
     try:
         main(argv)
     except SpecjaxError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e.spelled(flag_spelling)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -224,75 +233,3 @@ def draft_tokens(value: str) -> int | str:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
-
-
-def fixed_drafting(model, drafter, num_draft_tokens: int | str, lookup_tokens: int | None):
-    """(drafter, the K its rounds verify), checked, for a fixed --num-draft-tokens; (drafter, 'auto') for adaptive
-    drafting, which --lookup-tokens cannot join (`adaptive_drafting` then calibrates it)."""
-    from specjax.decoding import speculative
-    from specjax.drafters import with_lookup_tokens
-
-    if drafter is not None and num_draft_tokens == "auto":
-        if lookup_tokens is not None:
-            raise InputError("--lookup-tokens needs a fixed --num-draft-tokens")
-        return drafter, "auto"
-    drafter, verified = with_lookup_tokens(drafter, num_draft_tokens, lookup_tokens)
-    if drafter is not None:
-        speculative.check_inputs(model.cfg, drafter, speculative.as_policy(verified))
-    return drafter, verified
-
-
-def auto_max_drafts(drafter) -> int:
-    """The largest K `--num-draft-tokens auto` drafts: the default, or less where the drafter proposes fewer."""
-    return min(CALIBRATION_DRAFT_TOKENS, drafter.traits.max_draft_tokens or CALIBRATION_DRAFT_TOKENS)
-
-
-def adaptive_drafting(model, drafter, sampling, batch: int):
-    """`--num-draft-tokens auto`: the calibrated menu of `specjax.adaptive`, checked and reported on stderr."""
-    from specjax.decoding import speculative
-    from specjax.measure.calibration import calibrated
-
-    adaptive = calibrated(model.weights, model.cfg, drafter, auto_max_drafts(drafter), batch=batch, sampling=sampling)
-    speculative.check_inputs(model.cfg, drafter, adaptive)
-    status(f"adaptive drafting, estimated cost of a round in plain steps: {menu_costs(adaptive)}")
-    return adaptive
-
-
-def menu_costs(adaptive) -> str:
-    """'draft size: cost' for each entry of an adaptive menu."""
-    return ", ".join(f"{k}: {c:.2f}" for k, c in zip(adaptive.menu, adaptive.cost.tolist()))
-
-
-def memory_plan_at(
-    model, drafter, num_draft_tokens: int | str, prompt_len: int, max_new_tokens: int, prefill_chunk: int | None
-):
-    """The run's memory plan (`specjax.measure.memory`) as a function of its rows (and of a mesh's axis sizes, the
-    model's own by default); `num_draft_tokens` 'auto' plans for the largest draft adaptive drafting compiles."""
-    shape = None
-    on = mesh_of(model.weights)
-    mesh = dict(on.shape) if on is not None else None
-    if drafter is not None:
-        shape = drafter.draft_shape(auto_max_drafts(drafter) if num_draft_tokens == "auto" else num_draft_tokens)
-
-    def plan_at(rows: int, on_mesh: dict[str, int] | None = mesh) -> MemoryPlan:
-        return memory_plan(
-            model.cfg,
-            model.weights.embed.dtype,
-            batch=rows,
-            prompt_len=prompt_len,
-            max_new_tokens=max_new_tokens,
-            drafter=drafter,
-            draft_shape=shape,
-            target_weights=model.weights,
-            mesh=on_mesh,
-            quantize=quantization(model.weights),
-            prefill_chunk=prefill_chunk,
-        )
-
-    return plan_at
-
-
-def check_memory(plan_at, rows: int) -> None:
-    """Refuses, before anything compiles, a run whose plan exceeds the device's memory (InputError naming the
-    largest batch that fits, and the smallest larger mesh of the devices there are that does)."""
-    check_fits(plan_at, rows, device_memory(), len(jax.devices()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -17,13 +18,11 @@ from specjax.decoding.autoregressive import generate
 from specjax.decoding.batch import compilation_summary, compilations
 from specjax.decoding.engine import Engine
 from specjax.decoding.stats import acceptance
-from specjax.drafters import SPEC_HELP, drafter_from_spec
-from specjax.drafters.tree import TreeSpec
+from specjax.drafters import SPEC_HELP
 from specjax.errors import InputError
-from specjax.host import status
-from specjax.io.loading import load_model
+from specjax.host import device_memory, status
 from specjax.models.llama import chunk_size
-from specjax.sharding import mesh_of
+from specjax.prepare import DecodeConfig, decoding_memory_plan, menu_costs, prepare_decoding
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -92,34 +91,30 @@ def main(argv: Sequence[str] | None = None) -> None:
             "--compare-ar, --json or --plan"
         )
     prompts, limits = [p for p, _ in requests], [n for _, n in requests]
-    tree = TreeSpec.parse(args.tree) if args.tree is not None else None
-    model = cli.load_target(args)
-    tok = model.tokenizer
-
-    def load_draft(path: str):  # beside the target: its dtype, its mesh
-        draft = load_model(path, model.weights.embed.dtype, mesh_of(model.weights))
-        return draft.cfg, draft.weights
-
-    drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=load_draft, tree=tree)
-    prompt_ids = cli.encode_prompts(tok, prompts, args.raw)
     samples = args.num_samples
     rows = args.batch_size or (min(samples, 64) if samples > 1 else 8)
     per_call = max(1, min(rows // samples, len(prompts)))  # prompts per batch (more would decode padding rows)
     batch_size = per_call * samples
-    drafter, verified = cli.fixed_drafting(model, drafter, args.num_draft_tokens, args.lookup_tokens)
-    if verified == "auto" and drafter is not None and jax.process_count() > 1:
-        raise InputError(
-            "adaptive drafting times each process's own calls, and the processes of a multi-host run must agree: "
-            "give --num-draft-tokens K"
-        )
-    speaks = jax.process_index() == 0  # on a multi-host run, process 0 prints and writes
-    plan_at = cli.memory_plan_at(model, drafter, verified, max(map(len, prompt_ids)), max(limits), args.prefill_chunk)
+    decode_config = DecodeConfig(
+        drafter=args.drafter,
+        num_draft_tokens=args.num_draft_tokens,
+        lookup_tokens=args.lookup_tokens,
+        tree=args.tree,
+        sampling=sampling,
+        rows=batch_size,
+        max_new_tokens=max(limits),
+        prefill_chunk=args.prefill_chunk,
+    )
+    model = cli.load_target(args)
+    prompt_ids = cli.encode_prompts(model.tokenizer, prompts, args.raw)
+    decode_config = dataclasses.replace(decode_config, prompt_len=max(map(len, prompt_ids)))
     if args.plan:  # at the batch asked for, even where these prompts would fill fewer rows
-        print(plan_at(args.batch_size or batch_size).table(cli.device_memory()), end="")
+        plan = decoding_memory_plan(model, dataclasses.replace(decode_config, rows=args.batch_size or batch_size))
+        print(plan.table(device_memory()), end="")
         return
-    cli.check_memory(plan_at, batch_size)
-    if verified == "auto" and drafter is not None:
-        verified = cli.adaptive_drafting(model, drafter, sampling, batch_size)
+    decoding = prepare_decoding(model, decode_config)
+    drafter, verified = decoding.drafter, decoding.policy
+    speaks = jax.process_index() == 0  # on a multi-host run, process 0 prints and writes
     if args.stream:
         stream(model, drafter, verified, prompts[0], prompt_ids[0], limits[0], sampling, args)
         return
@@ -129,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         results, verified = in_batches(model, drafter, verified, prompts, prompt_ids, limits, sampling, per_call, args)
     if isinstance(verified, Adaptive):
-        status(f"adaptive drafting, cost of a round after the timed calls: {cli.menu_costs(verified)}")
+        status(f"adaptive drafting, cost of a round after the timed calls: {menu_costs(verified)}")
     status(compilation_summary())
     if json_out and speaks:
         config = {
@@ -143,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "batch_size": batch_size,
             "raw": args.raw,
             "drafter": args.drafter,
-            "num_draft_tokens": args.num_draft_tokens if drafter is not None and tree is None else None,
+            "num_draft_tokens": args.num_draft_tokens if drafter is not None and args.tree is None else None,
             "draft_sizes": list(verified.menu) if isinstance(verified, Adaptive) else None,
             "lookup_tokens": args.lookup_tokens,
             "tree": args.tree,

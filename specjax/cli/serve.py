@@ -10,13 +10,11 @@ import uvicorn
 from specjax.cli import common as cli
 from specjax.config import SamplingConfig
 from specjax.decoding.engine import Engine
-from specjax.drafters import SPEC_HELP, drafter_from_spec
-from specjax.drafters.tree import TreeSpec
+from specjax.drafters import SPEC_HELP
 from specjax.errors import InputError
 from specjax.host import status
-from specjax.io.loading import load_model
+from specjax.prepare import DecodeConfig, prepare_decoding
 from specjax.serving import build_app
-from specjax.sharding import mesh_of
 
 
 def parser() -> cli.ArgumentParser:
@@ -52,25 +50,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     context = args.max_context or min(model.cfg.max_position_embeddings, 4096)
     if not 1 <= context <= model.cfg.max_position_embeddings:
         raise InputError(f"--max-context must be in 1..{model.cfg.max_position_embeddings}, got {context}")
-    tree = TreeSpec.parse(args.tree) if args.tree is not None else None
-
-    def load_draft(path: str):
-        draft = load_model(path, model.weights.embed.dtype, mesh_of(model.weights))
-        return draft.cfg, draft.weights
-
-    drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=load_draft, tree=tree)
     slots = args.batch_size or 8
-    drafter, k = cli.fixed_drafting(model, drafter, args.num_draft_tokens, None)
-    cli.check_memory(
-        cli.memory_plan_at(model, drafter, k, context // 2, context - context // 2, args.prefill_chunk), slots
+    decoding = prepare_decoding(
+        model,
+        DecodeConfig(
+            drafter=args.drafter,
+            num_draft_tokens=args.num_draft_tokens,
+            tree=args.tree,
+            sampling=SamplingConfig(temperature=1.0),  # calibrated for sampled requests
+            rows=slots,
+            prompt_len=context // 2,
+            max_new_tokens=context - context // 2,
+            prefill_chunk=args.prefill_chunk,
+        ),
     )
-    if k == "auto" and drafter is not None:
-        k = cli.adaptive_drafting(model, drafter, SamplingConfig(temperature=1.0), slots)
     engine = Engine(
         model.weights,
         model.cfg,
-        drafter=drafter,
-        num_draft_tokens=k if drafter is not None else 1,
+        drafter=decoding.drafter,
+        num_draft_tokens=decoding.policy,
         slots=slots,
         max_context=context,
         sampled=True,

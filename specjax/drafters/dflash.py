@@ -62,7 +62,8 @@ class DFlashDrafter(ChainDrafter):
         if num_draft_tokens > self.cfg.max_drafts:
             raise InputError(
                 f"a DFlash draft with block size {self.cfg.block_size} proposes at most {self.cfg.max_drafts} tokens "
-                f"a round; got --num-draft-tokens {num_draft_tokens}"
+                "a round; got {num_draft_tokens}",
+                settings={"num_draft_tokens": num_draft_tokens},
             )
 
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> KVCache:

@@ -183,7 +183,10 @@ def with_lookup_tokens(drafter: Any, num_draft_tokens: int, lookup_tokens: int |
     if lookup_tokens is None:
         return drafter, num_draft_tokens
     if not isinstance(drafter, LookupFirstDrafter):
-        raise InputError("--lookup-tokens applies to lookup-first drafting only (ngram+SPEC; bench: ngram+eagle3)")
+        raise InputError(
+            "{lookup_tokens} applies to lookup-first drafting only (ngram+SPEC; bench: ngram+eagle3)",
+            settings={"lookup_tokens": None},
+        )
     if lookup_tokens < 1:
-        raise InputError(f"--lookup-tokens must be >= 1, got {lookup_tokens}")
+        raise InputError(f"{{lookup_tokens}} must be >= 1, got {lookup_tokens}", settings={"lookup_tokens": None})
     return dataclasses.replace(drafter, fallback_tokens=num_draft_tokens), max(num_draft_tokens, lookup_tokens)

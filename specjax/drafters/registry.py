@@ -69,14 +69,16 @@ def drafter_from_spec(
     lookup_kind, _, lookup_arg = lookup.partition(":")
     if plus and lookup_kind == "ngram":
         if tree is not None:
-            raise InputError("lookup-first drafting (ngram+SPEC) drafts chains; drop --tree")
+            raise InputError("lookup-first drafting (ngram+SPEC) drafts chains; drop {tree}", settings={"tree": None})
         fallback = drafter_from_spec(fallback_spec, weights, cfg, load)
         if fallback is None:
             raise InputError("ngram+SPEC needs a fallback drafter, e.g. ngram+eagle3:smollm2-135m")
         return LookupFirstDrafter(fallback, n=_int(lookup_arg, "the n-gram size") if lookup_arg else DEFAULT_NGRAM)
     kind, _, arg = spec.strip().partition(":")
     if tree is not None and kind != "eagle3":
-        raise InputError("tree drafting (--tree) needs an EAGLE-3 head: --drafter eagle3:PATH")
+        raise InputError(
+            "tree drafting ({tree}) needs an EAGLE-3 head: {drafter}", settings={"tree": None, "drafter": "eagle3:PATH"}
+        )
     if kind == "eagle3":
         if not arg:
             raise InputError(

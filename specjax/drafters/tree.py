@@ -61,7 +61,9 @@ class TreeSpec:
         try:
             depth, topk, budget = (int(x) for x in parts)
         except ValueError:
-            raise InputError(f"--tree takes depth,topk,budget (three integers, e.g. 5,4,24), got {text!r}") from None
+            raise InputError(
+                f"{{tree}} takes depth,topk,budget (three integers, e.g. 5,4,24), got {text!r}", settings={"tree": None}
+            ) from None
         spec = cls(depth, topk, budget)
         spec.validate()
         return spec

@@ -1,6 +1,6 @@
 """Calibration of adaptive menus: what a round of each menu entry costs on this machine, in plain decoding steps.
 
-`calibrated` builds the `Adaptive` menu that `--num-draft-tokens auto` runs: the default draft sizes and their
+`calibrated` builds the `Adaptive` menu that `num_draft_tokens="auto"` runs: the default draft sizes and their
 costs, each derived from a few short timings (`round_seconds`: the target forward by token count, the drafter's
 round), measured once per machine, model shapes, drafter, batch and greedy-or-sampled
 (`specjax.host.cached_measurement`), fitted non-decreasing, and only the entries that are the best choice at some
@@ -25,9 +25,14 @@ from specjax.measure.speedup import expected_tokens_per_round
 from specjax.measure.timing import drafter_timer, forward_timers, interleaved_medians
 from specjax.models.llama import Weights
 
-CALIBRATION_DRAFT_TOKENS = 8  # the largest K that `--num-draft-tokens auto` drafts with a chain drafter
+CALIBRATION_DRAFT_TOKENS = 8  # the largest K that adaptive drafting drafts with a chain drafter
 CALIBRATION_CONTEXT = 256  # committed tokens per row while timing (the costs are ratios; the loop's timing corrects)
 PREFILL_PROBE = 64  # tokens of the forward that prices the prefill per prompt token
+
+
+def auto_max_drafts(drafter: Drafter) -> int:
+    """The largest K adaptive drafting drafts: CALIBRATION_DRAFT_TOKENS, or less where the drafter proposes fewer."""
+    return min(CALIBRATION_DRAFT_TOKENS, drafter.traits.max_draft_tokens or CALIBRATION_DRAFT_TOKENS)
 
 
 def useful_entries(menu: Sequence[int], depths: Sequence[int], cost: Sequence[float]) -> list[int]:
@@ -101,8 +106,8 @@ def calibrated(
     batch: int,
     sampling: SamplingConfig,
 ) -> Adaptive:
-    """`--num-draft-tokens auto`: the default menu up to `max_draft_tokens` (a tree drafter: a plain step or its
-    tree; no plain step for a drafter that cannot follow one), its costs in plain steps (`round_seconds`, measured
+    """Adaptive drafting's menu: the default menu up to `max_draft_tokens` (a tree drafter: a plain step or its tree;
+    no plain step for a drafter that cannot follow one), its costs in plain steps (`round_seconds`, measured
     once and then read from `$SPECJAX_CACHE/calibration`, fitted `non_decreasing`), and only the useful entries. The
     menu keeps the seconds of a plain step and of the prefill, so each call's timing can correct the costs."""
     if drafter.draft_shape(1) != TreeSpec.chain(1):  # a tree drafter: its own tree whatever K, named by its depth

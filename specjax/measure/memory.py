@@ -238,12 +238,11 @@ def check_fits(plan_at: Callable[..., MemoryPlan], batch: int, available: int, d
     used = math.prod(n for _, n in plan.mesh)
     mesh = next((m for m in larger_meshes(used, devices) if plan_at(batch, m).total <= available), None)
     if mesh is not None:
-        advice.append(
-            f"--mesh {','.join(f'{a}={n}' for a, n in mesh.items())} ({math.prod(mesh.values())} devices) would"
-        )
+        advice.append(f"{{mesh}} ({math.prod(mesh.values())} devices) would")
     raise InputError(
         f"this run needs {plan.total / GIB:.2f} GiB (weights {plan.weights / GIB:.2f}, KV cache "
         f"{plan.kv_cache / GIB:.2f}, drafter {plan.drafter / GIB:.2f}, activations {plan.activations / GIB:.2f}) but "
         f"the device holds {available / GIB:.2f} GiB; "
-        + (", or ".join(advice) if advice else "not even one row fits: lower --max-new-tokens")
+        + (", or ".join(advice) if advice else "not even one row fits: lower {max_new_tokens}"),
+        settings={"mesh": mesh, "max_new_tokens": None},
     )

@@ -187,12 +187,13 @@ def check_weights_fit(
     fits = [
         m for m in larger_meshes(used, len(jax.devices())) if weight_bytes(cfg, dtype, m, quantize, rules) <= available
     ]
-    advice = [f"--mesh {','.join(f'{a}={n}' for a, n in fits[0].items())} would hold them"] if fits else []
+    advice = ["{mesh} would hold them"] if fits else []
     if quantize == "none" and weight_bytes(cfg, dtype, sizes, "int8", rules) <= available:
-        advice.append("--quantize int8 would")
+        advice.append("{quantize} would")
     raise InputError(
         f"{source}: the weights need {need / GIB:.2f} GiB on each device but one holds {available / GIB:.2f} GiB; "
-        + (", or ".join(advice) if advice else "no mesh of the devices here holds them: run on more devices")
+        + (", or ".join(advice) if advice else "no mesh of the devices here holds them: run on more devices"),
+        settings={"mesh": fits[0] if fits else None, "quantize": "int8"},
     )
 
 

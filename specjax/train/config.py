@@ -1,5 +1,5 @@
-"""The training config schema: frozen dataclasses, read from YAML with `section.key=value` overrides, and the
-trainer's fixed settings.
+"""The training config schema: frozen dataclasses, read from YAML with `section.key=value` overrides
+(`specjax.config.build_config`), and the trainer's fixed settings.
 
 Unknown keys, values of the wrong type or out of range, and a draft kind without its required keys are errors that
 say what is valid.
@@ -8,17 +8,12 @@ say what is valid.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from specjax.config import INT32_END
+from specjax.config import apply_override, build_config, read_config_file
 from specjax.errors import InputError
 from specjax.sharding import Rules, merged_rules
 
@@ -332,86 +327,6 @@ _RANGES = {
 }
 
 
-def _check_type(value: Any, hint: Any, where: str) -> Any:
-    """Checks (and lightly coerces: int -> float, list -> tuple) one value against its annotation."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _check_type(value, option, where)
-            except InputError as e:
-                errors.append(str(e))
-        raise InputError(errors[0])
-    if origin is dict:
-        key_hint, value_hint = typing.get_args(hint)
-        if not isinstance(value, dict):
-            raise InputError(f"{where} must be a mapping, got {value!r}")
-        return {
-            _check_type(k, key_hint, f"{where} key"): _check_type(v, value_hint, f"{where}.{k}")
-            for k, v in value.items()
-        }
-    if origin is tuple:
-        item = typing.get_args(hint)[0]
-        if not isinstance(value, (list, tuple)):
-            raise InputError(f"{where} must be a list, got {value!r}")
-        return tuple(_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):
-        # YAML 1.1 (PyYAML) reads "1e-4" (no dot) as a string; accept what Python reads as a finite number.
-        try:
-            number = float(value)
-        except ValueError:
-            number = math.nan
-        if math.isfinite(number):
-            return number
-    if hint in (int, float, str, bool) and (type(value) is not hint):
-        raise InputError(f"{where} must be {hint.__name__}, got {value!r}")
-    if hint is int and not -INT32_END <= value < INT32_END:  # counts and seeds land in 32-bit arrays
-        raise InputError(f"{where} must be an integer below 2**31 in size, got {value}")
-    return value
-
-
-def _build(cls: type, raw: Any, where: str) -> Any:
-    if not isinstance(raw, dict):
-        raise InputError(f"{where or 'the config'} must be a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - fields)
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise InputError(
-            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
-            f"valid keys{' in ' + where if where else ''}: {', '.join(sorted(fields))}"
-        )
-    values = {}
-    for name, value in raw.items():
-        key = f"{where}.{name}" if where else name
-        hint = hints[name]
-        values[name] = _build(hint, value, key) if dataclasses.is_dataclass(hint) else _check_type(value, hint, key)
-    return cls(**values)
-
-
-def apply_override(raw: dict, override: str) -> None:
-    """Applies one `section.key=value` override (the value is parsed as YAML) to a raw config dict in place."""
-    if "=" not in override:
-        raise InputError(f"override {override!r} is not of the form section.key=value")
-    path, value = override.split("=", 1)
-    keys = path.strip().split(".")
-    node = raw
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
-        if not isinstance(node, dict):
-            raise InputError(f"override {override!r}: {k} is not a section")
-    node[keys[-1]] = yaml.safe_load(value)
-
-
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Reads a YAML training config and applies overrides.
 
@@ -423,20 +338,13 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
       so that a config finds its store from any working directory. Raises InputError on a missing file, bad YAML,
       unknown keys or wrong types.
     """
-    raw: dict = {}
-    if path is not None:
-        try:
-            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        except OSError as e:
-            raise InputError(f"cannot read config {str(path)!r}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise InputError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
-        data = raw.get("data") if isinstance(raw, dict) else None
-        if isinstance(data, dict) and isinstance(data.get("store"), str):
-            data["store"] = os.path.abspath(Path(path).parent / data["store"])
+    raw = read_config_file(path) if path is not None else {}
+    data = raw.get("data") if isinstance(raw, dict) else None
+    if isinstance(data, dict) and isinstance(data.get("store"), str):
+        data["store"] = os.path.abspath(Path(path).parent / data["store"])
     for override in overrides:
         apply_override(raw, override)
-    return _build(TrainConfig, raw, "")
+    return build_config(TrainConfig, raw)
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:
