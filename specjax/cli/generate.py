@@ -22,6 +22,7 @@ from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.host import status
 from specjax.io.loading import load_model
+from specjax.models.attention import attention_path
 from specjax.models.llama import chunk_size
 from specjax.sharding import mesh_of
 
@@ -96,8 +97,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = cli.load_target(args)
     tok = model.tokenizer
 
-    def load_draft(path: str):  # beside the target: its dtype, its mesh
-        draft = load_model(path, model.weights.embed.dtype, mesh_of(model.weights))
+    def load_draft(path: str):  # beside the target: its dtype, its mesh, its attention
+        draft = load_model(path, model.weights.embed.dtype, mesh_of(model.weights), attention=model.cfg.attention)
         return draft.cfg, draft.weights
 
     drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=load_draft, tree=tree)
@@ -149,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "tree": args.tree,
             "num_samples": args.num_samples,
             "prefill_chunk": chunk_size(args.prefill_chunk),
+            "attention": args.attention,
+            "attention_path": attention_path(args.attention),
         }
         report = {"config": config, "compilations": compilations(), "results": results}
         cli.write_results(json_out, json.dumps(report, indent=1, ensure_ascii=False))

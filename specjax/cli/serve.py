@@ -15,6 +15,7 @@ from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.host import status
 from specjax.io.loading import load_model
+from specjax.models.attention import attention_path
 from specjax.serving import build_app
 from specjax.sharding import mesh_of
 
@@ -55,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tree = TreeSpec.parse(args.tree) if args.tree is not None else None
 
     def load_draft(path: str):
-        draft = load_model(path, model.weights.embed.dtype, mesh_of(model.weights))
+        draft = load_model(path, model.weights.embed.dtype, mesh_of(model.weights), attention=model.cfg.attention)
         return draft.cfg, draft.weights
 
     drafter = drafter_from_spec(args.drafter, model.weights, model.cfg, load=load_draft, tree=tree)
@@ -78,7 +79,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         prefill_chunk=args.prefill_chunk,
     )
     name = args.served_model_name or args.model
-    status(f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots of {engine.num_slots} tokens)")
+    status(
+        f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots of {engine.num_slots} tokens, "
+        f"attention {attention_path(args.attention)})"
+    )
     app = build_app(engine, model.tokenizer, name, default_max_tokens=args.max_new_tokens)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
