@@ -265,8 +265,8 @@ def kernel_failure(shape: KernelShape) -> str | None:
             lines = str(e).strip().splitlines() or [""]
             return f"{type(e).__name__}: {lines[0][:200]}"
         want = np.asarray(jax.jit(run(read_blocks)).lower(*args).compile()(*args), np.float32)
-    tol = 1e-4 if shape.dtype == shape.cache_dtype == "float32" else 3e-2
-    if not np.allclose(got, want, rtol=tol, atol=tol):
+    # Loose enough for bfloat16 and TPU's default float32 matmul precision; a broken kernel is off by O(1) or NaN.
+    if not np.allclose(got, want, rtol=3e-2, atol=3e-2):
         return f"its output is off the block loop's by up to {np.nanmax(np.abs(got - want), initial=np.inf):.3g}"
     return None
 
