@@ -1,18 +1,20 @@
 """A randomly initialised Llama-3-8B-shaped target on this device, or split over a mesh of the devices present
 (`--mesh auto`): memory plan, one-step latency, what verifying T tokens per row costs (T = K + 1 = 2..16 for chains,
 tree budgets up to 64), and autoregressive tokens/s against the memory-bandwidth roofline (each device reading its
-share of the weights and of the KV cache). Writes llama3-8b.json and llama3-8b.md to --out-dir.
+share of the weights and of the KV cache); which attention path read the cache (`--attention`) and one step's time
+with each path (the Pallas kernel's where it applies: on TPU). Writes llama3-8b.json and llama3-8b.md to --out-dir.
 
 Random weights decode at the speed of real ones: every step reads every weight and the KV written so far, whatever
 their values. `--tiny` shrinks the target (2 layers, hidden 256) so that the whole script runs on a CPU.
 
 Usage: python decode/device_bench.py --out-dir OUT [--tiny] [--mesh auto] [--batches 1,8] [--context 512]
-       [--max-new-tokens 128]
+       [--max-new-tokens 128] [--attention auto]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -26,12 +28,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specjax.cli import common as cli  # noqa: E402
-from specjax.config import ModelConfig  # noqa: E402
+from specjax.config import ATTENTION_CHOICES, ModelConfig  # noqa: E402
 from specjax.decoding.autoregressive import generate  # noqa: E402
+from specjax.errors import InputError  # noqa: E402
 from specjax.host import device_memory  # noqa: E402
 from specjax.measure.bandwidth import device_bandwidth  # noqa: E402
 from specjax.measure.memory import check_fits, memory_plan  # noqa: E402
 from specjax.measure.timing import forward_seconds  # noqa: E402
+from specjax.models.attention import KERNEL_PLATFORMS, attention_path  # noqa: E402
 from specjax.models.llama import init_weights, weight_bytes, weight_shardings  # noqa: E402
 from specjax.sharding import CACHE_AXES, mesh_for, parse_mesh, shard_fraction  # noqa: E402
 
@@ -71,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=512, help="prompt tokens per row (512)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--mesh", default="none", help="none (one device), auto (every device) or data=D,tensor=T")
+    p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto", help="how the KV cache is read (auto)")
     return p
 
 
@@ -79,7 +84,7 @@ def main(argv=None) -> None:
     cli.check_positive("--context", args.context)
     cli.check_positive("--max-new-tokens", args.max_new_tokens)
     out_dir = cli.check_output_dir(args.out_dir)
-    cfg = TINY if args.tiny else LLAMA3_8B
+    cfg = dataclasses.replace(TINY if args.tiny else LLAMA3_8B, attention=args.attention)
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16  # as specjax.io.loading.load_model
     choice = None if args.mesh == "none" else "auto" if args.mesh == "auto" else parse_mesh(args.mesh)
     mesh = mesh_for(choice, cfg.num_kv_heads)
@@ -147,6 +152,7 @@ def main(argv=None) -> None:
         "one_step_ms": 1000 * step_s,
         "verification": verification,
         "decoding": decoding,
+        "attention": attention_steps(weights, cfg, args.context, step_s),
     }
     (out_dir / "llama3-8b.json").write_text(json.dumps(report, indent=1))
     largest = max(args.batches)
@@ -155,14 +161,40 @@ def main(argv=None) -> None:
     print(markdown(report) + plan)
 
 
+def attention_steps(weights, cfg: ModelConfig, context: int, step_s: float) -> dict:
+    """Which attention path read the cache with `cfg.attention` (after the runs: "auto" has checked the kernel by
+    then), and one target step's ms (batch 1) with each path: the one that ran took `step_s`; the other is timed
+    here, the Pallas kernel only where it applies (KERNEL_PLATFORMS), else `pallas_note` says why it has no time."""
+    ran = attention_path(cfg.attention)
+    steps = {"choice": cfg.attention, "ran": ran, "blocks_step_ms": None, "pallas_step_ms": None, "pallas_note": None}
+    steps[f"{ran}_step_ms"] = 1000 * step_s
+    other = "pallas" if ran == "blocks" else "blocks"
+    if other == "pallas" and jax.default_backend() not in KERNEL_PLATFORMS:
+        steps["pallas_note"] = f"the Pallas kernel does not apply on {jax.default_backend()} (it is compiled for TPU)"
+        return steps
+    try:
+        steps[f"{other}_step_ms"] = (
+            1000 * forward_seconds(weights, dataclasses.replace(cfg, attention=other), 1, context, (1,))[0]
+        )
+    except InputError as e:  # the kernel failed its check on this device
+        steps["pallas_note"] = str(e)
+    return steps
+
+
 def markdown(report: dict) -> str:
-    c = report["config"]
+    c, a = report["config"], report["attention"]
+    times = ", ".join(
+        f"{path} {a[f'{path}_step_ms']:.2f} ms" for path in ("blocks", "pallas") if a[f"{path}_step_ms"] is not None
+    )
     mesh = f" x {math.prod(c['mesh'].values())} ({c['mesh']})" if c["mesh"] else ""
     lines = [
         f"{c['target']}, {c['dtype']}, on {c['device']}{mesh}: weights {c['weight_bytes'] / 2**30:.2f} GiB a device, "
         f"bandwidth {c['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s ({c['bandwidth_source']}), context {c['context']}.",
         "",
         f"One target step (batch 1): {report['one_step_ms']:.2f} ms.",
+        "",
+        f"Attention: {a['ran']} ran (--attention {a['choice']}); one step (batch 1) by path: {times}"
+        + (f"; pallas: {a['pallas_note']}." if a["pallas_note"] else "."),
         "",
         "| tokens per row | forward (ms) | target steps |",
         "|---:|---:|---:|",

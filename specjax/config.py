@@ -20,6 +20,9 @@ from specjax.errors import CheckpointError, InputError, UnsupportedModelError
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 INT32_END = 2**31  # sizes and token ids live in int32 arrays on the device
+# How the target's forward reads its KV cache (`specjax.models.attention`): "auto" takes the Pallas kernel on TPU once
+# it has compiled and matched the block loop there, "blocks" always the pure-JAX block loop, "pallas" the kernel.
+ATTENTION_CHOICES = ("auto", "blocks", "pallas")
 REQUIRED: Any = object()  # the default of a key that must be present
 
 
@@ -177,8 +180,10 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    attention: str = "auto"  # how the cache is read, one of ATTENTION_CHOICES; not in config.json
 
     def __post_init__(self):
+        check_attention(self.attention)
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
@@ -255,6 +260,12 @@ class ModelConfig:
             hf["sliding_window"] = self.sliding_window
             hf["use_sliding_window"] = self.sliding_window is not None
         return hf
+
+
+def check_attention(attention: str) -> None:
+    """Refuses an attention choice that is not one of ATTENTION_CHOICES (InputError)."""
+    if attention not in ATTENTION_CHOICES:
+        raise InputError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}; got {attention!r}")
 
 
 _ARCHITECTURES = {

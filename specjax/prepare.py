@@ -94,10 +94,10 @@ class Decoding:
 
 def draft_loader(model: LoadedModel) -> Callable[[str], tuple[ModelConfig, Weights]]:
     """The `load` of `drafter_from_spec` for a `model:PATH` draft: loaded beside the target, in its dtype, on its
-    mesh."""
+    mesh, with its attention path."""
 
     def load(path: str) -> tuple[ModelConfig, Weights]:
-        draft = load_model(path, model.weights.embed.dtype, mesh_of(model.weights))
+        draft = load_model(path, model.weights.embed.dtype, mesh_of(model.weights), attention=model.cfg.attention)
         return draft.cfg, draft.weights
 
     return load

@@ -1,7 +1,11 @@
 """Attention by blocks up to the live length equals dense softmax attention, and equals transformers at 1-4k tokens
 for chunked prefills, one-token steps, chains and trees; the TPU kernel that reads the target's cache, interpreted on
-this CPU, equals both."""
+this CPU, equals both; and the attention switch: "pallas" decodes the tokens "blocks" does, "auto" falls back to the
+loop with one warning where the kernel fails its check, "pallas" refuses."""
 
+import dataclasses
+import functools
+import logging
 import os
 import subprocess
 import sys
@@ -13,7 +17,9 @@ import pytest
 import torch
 import transformers
 
+from specjax import host
 from specjax.config import ModelConfig
+from specjax.errors import InputError
 from specjax.models import attention
 from specjax.models.attention import CachedKeys, attend, slots_below, slots_where
 from specjax.models.kv_cache import KVCache
@@ -105,19 +111,19 @@ def test_fused_kernel_equals_the_block_loop(monkeypatch, dtype, block, T, tree, 
     cache_mask = np.broadcast_to(cache_mask, (B, T, S))
     expected = dense(*(x.astype(dtype) for x in (q, k_cache, v_cache, k_new, v_new)), cache_mask, new_mask)
 
-    def run(k, v):
+    def run(k, v, read):
         args = [jnp.asarray(x, dtype) for x in (q, k_new, v_new, k, v)]
-        return attend(*args[:3], jnp.asarray(new_mask), CachedKeys.below(*args[3:], lengths, first, jnp.int32(1)))
+        cached = CachedKeys.below(*args[3:], lengths, first, jnp.int32(1))
+        return attention.attend_reading(read, *args[:3], jnp.asarray(new_mask), cached)
 
     stacked = [np.stack([np.full_like(x, np.nan), x]) for x in (k_cache, v_cache)]
-    loop = run(*stacked)
+    loop = run(*stacked, attention.read_blocks)
     lows = np.zeros(B, int) if first is None else np.maximum(first.min(1), 0) // size * size
     poisoned = [x.copy() for x in stacked]
     for x in poisoned:
         for b in range(B):
             x[1, b, : lows[b]] = x[1, b, -(-lengths[b] // size) * size :] = np.nan
-    monkeypatch.setattr(attention, "INTERPRET", True)
-    fused = run(*poisoned)
+    fused = run(*poisoned, functools.partial(attention.read_fused, interpret=True))
     tol = 2e-5 if dtype == np.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(fused, np.float32), expected, rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(loop, np.float32), rtol=tol, atol=tol)
@@ -150,21 +156,22 @@ rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal(s).astype(np.float32) for s in [(2, 3, 2, 2, 8), (2, 2, 40, 2, 8), (2, 2, 40, 2, 8)])
 new, mask = rng.standard_normal((2, 3, 2, 8)).astype(np.float32), np.tril(np.ones((2, 3, 3), bool))
 attention.KV_BLOCK = 16
-run = lambda k, v: attend(q, new, new, mask, CachedKeys.below(k, v, jnp.array([37, 5]), layer=jnp.int32(1)))
-loop = run(k, v)
-attention.INTERPRET = True
+cached = lambda k, v: CachedKeys.below(k, v, jnp.array([37, 5]), layer=jnp.int32(1))
+loop = attend(q, new, new, mask, cached(k, v), "blocks")
+run = jax.jit(lambda k, v: attend(q, new, new, mask, cached(k, v), "pallas"))
 mesh = make_mesh({"data": 2, "tensor": 2})
 with jax.set_mesh(mesh):
     k, v = (jax.device_put(x, named_sharding(CACHE_AXES, x.shape, mesh)) for x in (k, v))
-    fused = jax.jit(run)(k, v)
-    gathers = "all-gather" in jax.jit(run).lower(k, v).compile().as_text()
+    fused = run(k, v)
+    gathers = "all-gather" in run.lower(k, v).compile().as_text()
 print(float(np.abs(np.asarray(fused) - np.asarray(loop)).max()), gathers)
 """
 
 
 def test_fused_kernel_on_a_mesh_reads_each_devices_shard():
     """On a data=2,tensor=2 mesh of fake CPU devices, each device runs the kernel (interpreted) on its rows and KV
-    heads of the cache: the loop's output, and the cache is never gathered."""
+    heads of the cache: the loop's output, and the cache is never gathered. The kernel's check, run while the forward
+    is traced on the mesh, runs off it on one device."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", MESH_RUN], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -200,10 +207,106 @@ def test_target_forward_with_the_fused_kernel(monkeypatch, window):
     )
     positions = cache.lengths[:, None] + jnp.arange(4)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 4)), jnp.int32)
-    loop, _, _, _ = forward_new_kv(weights, cfg, tokens, positions, cache)
-    monkeypatch.setattr(attention, "INTERPRET", True)
-    fused, _, _, _ = forward_new_kv(weights, cfg, tokens, positions, cache)
+    loop, _, _, _ = forward_new_kv(weights, dataclasses.replace(cfg, attention="blocks"), tokens, positions, cache)
+    fused, _, _, _ = forward_new_kv(weights, dataclasses.replace(cfg, attention="pallas"), tokens, positions, cache)
     assert rel_err(fused, loop) <= 1e-5
+
+
+TOY = ModelConfig.from_hf({**LONG, "model_type": "llama"})
+PROMPTS = [[5, 17, 3], [41, 8, 90]]
+
+
+def greedy(attention_choice: str, new_tokens: int = 3) -> list[list[int]]:
+    """A short greedy decode of a toy model, one token per row per forward (the prompt's too: one program), jitted
+    anew on each call: the attention path is chosen, and the kernel checked, as that forward is traced."""
+    cfg = dataclasses.replace(TOY, attention=attention_choice)
+    weights = init_weights(cfg, jax.random.key(0), scale=0.2)
+    step = jax.jit(lambda token, position, cache: forward(weights, cfg, token, position, cache))
+    prompts, out = np.asarray(PROMPTS, np.int32), []
+    B, P = prompts.shape
+    cache = KVCache.empty(cfg, B, 16)
+    for i in range(P + new_tokens - 1):
+        token = prompts[:, i : i + 1] if i < P else out[-1]
+        logits, _, cache = step(token, jnp.full((B, 1), i), cache)
+        cache = cache.advance(jnp.ones(B))
+        if i >= P - 1:
+            out.append(np.asarray(jnp.argmax(logits, -1), np.int32))
+    return np.concatenate(out, 1).tolist()
+
+
+@functools.cache
+def loop_tokens() -> list[list[int]]:
+    return greedy("blocks")
+
+
+@pytest.fixture()
+def kernel_runs(monkeypatch, caplog):
+    """A process where the kernel has not been checked yet and "auto" considers it on this CPU (where it runs
+    interpreted), the specjax logger's warnings going to caplog. Returns the list `cache_partials` (the kernel)
+    appends to each time a forward or a check traces it."""
+    monkeypatch.setattr(attention, "KERNEL_CHECKS", {})
+    monkeypatch.setattr(attention, "KERNEL_PLATFORMS", ("tpu", "cpu"))
+    monkeypatch.setattr(host.log, "propagate", True)
+    runs, kernel = [], attention.cache_partials
+    monkeypatch.setattr(attention, "cache_partials", lambda *a, **kw: runs.append(1) or kernel(*a, **kw))
+    return runs
+
+
+def warnings_logged(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "specjax" and r.levelno == logging.WARNING]
+
+
+def test_pallas_and_auto_decode_the_tokens_of_blocks(kernel_runs, caplog):
+    """On the CPU "pallas" runs the kernel interpreted, and "auto" (made to consider it here) checks it, passes and
+    runs it: both decode the loop's tokens, without a warning."""
+    expected = greedy("blocks")
+    assert not kernel_runs and attention.attention_path("blocks") == "blocks" and expected == loop_tokens()
+    assert greedy("pallas") == expected and kernel_runs
+    assert list(attention.KERNEL_CHECKS.values()) == [None]  # checked once
+    kernel_runs.clear()
+    assert greedy("auto") == expected and kernel_runs and attention.attention_path("auto") == "pallas"
+    assert not warnings_logged(caplog)
+
+
+def compile_fails(fn, *args):
+    raise RuntimeError("Mosaic failed to compile the kernel (injected)\nmore lines of the compiler")
+
+
+def wrong_result(fn, *args):
+    compiled = jax.jit(fn).lower(*args).compile()
+    return lambda *a: np.asarray(compiled(*a)) + 0.5
+
+
+@pytest.mark.parametrize(
+    "probe,why",
+    [(compile_fails, "RuntimeError: Mosaic failed to compile the kernel (injected))"), (wrong_result, "off the block")],
+    ids=["compile-failure", "wrong-result"],
+)
+def test_auto_falls_back_to_the_loop_with_one_warning(kernel_runs, caplog, monkeypatch, probe, why):
+    """A kernel that fails to compile, or computes a wrong result, on its first use: "auto" warns once, decodes by
+    the loop (the same tokens) and never checks or runs the kernel again in the process."""
+    monkeypatch.setattr(attention, "compile_probe", probe)
+    assert greedy("auto") == loop_tokens() and greedy("auto") == loop_tokens()
+    (warning,) = warnings_logged(caplog)
+    assert "the Pallas attention kernel failed its check on cpu" in warning and why in warning, warning
+    assert "pure-JAX block loop" in warning and "\n" not in warning
+    assert len(attention.KERNEL_CHECKS) == 1 and attention.attention_path("auto") == "blocks"
+    assert len(kernel_runs) == (1 if probe is wrong_result else 0)  # the check's own run only
+
+
+def test_pallas_refuses_where_the_kernel_fails(kernel_runs, caplog, monkeypatch):
+    """ "pallas" where the kernel fails its check: an InputError naming the failure and the way around it."""
+    monkeypatch.setattr(attention, "compile_probe", compile_fails)
+    with pytest.raises(InputError, match="attention 'pallas': the Pallas attention kernel failed its check on cpu "):
+        greedy("pallas")
+    with pytest.raises(InputError, match=r"\(injected\)\); choose attention 'auto' or 'blocks'"):
+        greedy("pallas")  # and again: the failure is kept, not forgotten
+    assert not warnings_logged(caplog) and not kernel_runs
+
+
+def test_the_attention_choice_is_checked():
+    with pytest.raises(InputError, match="attention must be one of auto, blocks, pallas; got 'flash'"):
+        dataclasses.replace(TOY, attention="flash")
 
 
 def long_pair(config_cls, **extra):

@@ -81,7 +81,9 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys, caplog, monkeypatch)
     table = (tmp_path / "bench.md").read_text()
     assert [r["tokens"] for r in report["forward_costs"]] == [1, 4]
     assert all(r["ms"] > 0 and r["target_steps"] > 0 for r in report["forward_costs"])
-    assert table.count("\n") == (2 + 5) + 1 + (2 + 2) + 2 and "| ngram:auto |" in table and "| 4 |" in table
+    assert table.count("\n") == (2 + 5) + 1 + (2 + 2) + 2 + 2 and "| ngram:auto |" in table and "| 4 |" in table
+    assert config["attention"] == "auto" and config["attention_path"] == "blocks"  # the CPU's path
+    assert "\nAttention: blocks (--attention auto).\n" in table
     assert report["compilations"]["speculative_decode"] >= 4 and report["compilations"]["decode"] >= 1
     assert table.rstrip().splitlines()[-1].startswith(f"compiled {sum(report['compilations'].values())} programs (")
     header, _, *mode_lines = table.splitlines()[:7]

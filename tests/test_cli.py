@@ -50,6 +50,21 @@ def test_json_output(tiny_folder, tmp_path, capsys):
         assert r["finish_reason"] == ("stop" if r["output_ids"][-1] == 2 else "length")
 
 
+def test_attention_pallas_runs_the_kernel_interpreted_and_decodes_as_blocks(tiny_folder, tmp_path):
+    """--attention pallas on the CPU: the TPU kernel, interpreted, gives the block loop's tokens; the JSON says which
+    path read the cache."""
+    reports = {}
+    for choice in ("blocks", "pallas"):
+        out = tmp_path / f"{choice}.json"
+        argv = ["--model", str(tiny_folder), "--raw", "--prompt", "def f(x):", "--max-new-tokens", "4"]
+        entry([*argv, "--prefill-chunk", "8", "--attention", choice, "--json", str(out)])
+        reports[choice] = json.loads(out.read_text())
+    ran = {c: (r["config"]["attention"], r["config"]["attention_path"]) for c, r in reports.items()}
+    assert ran == {"blocks": ("blocks", "blocks"), "pallas": ("pallas", "pallas")}
+    blocks, pallas = (r["results"][0]["output_ids"] for r in reports.values())
+    assert len(blocks) == 4 and pallas == blocks
+
+
 def test_raw_prompt_skips_the_chat_template(tiny_folder, tmp_path):
     out = tmp_path / "raw.json"
     entry(["--model", str(tiny_folder), "--raw", "--prompt", "def f(x):", "--max-new-tokens", "2", "--json", str(out)])

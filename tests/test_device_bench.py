@@ -31,10 +31,16 @@ def test_tiny_run_writes_json_and_tables(device_bench, tmp_path, capsys):
         assert r["tokens_per_s"] > 0 and r["of_roofline"] == pytest.approx(
             r["tokens_per_s"] / r["roofline_tokens_per_s"]
         )
+    # On the CPU the loop reads the cache ("auto"), its step is the one timed; the TPU kernel does not apply here.
+    attention = report["attention"]
+    assert attention["choice"] == "auto" and attention["ran"] == "blocks" and attention["pallas_step_ms"] is None
+    assert attention["blocks_step_ms"] == report["one_step_ms"]
+    assert "the Pallas kernel does not apply on cpu" in attention["pallas_note"]
     # Batch 2 reads the weights once per step for two rows: twice the roofline of batch 1, less the extra KV reads.
     ratio = report["decoding"][1]["roofline_tokens_per_s"] / report["decoding"][0]["roofline_tokens_per_s"]
     assert 1.5 < ratio < 2
     table = (tmp_path / "llama3-8b.md").read_text()
+    assert "Attention: blocks ran (--attention auto); one step (batch 1) by path: blocks " in table
     assert "| 5 |" in table and "| 2 |" in table and "Memory plan, batch 2" in table and "| total |" in table
     assert table in capsys.readouterr().out
 

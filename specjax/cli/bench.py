@@ -47,6 +47,7 @@ from specjax.measure.timing import (
     round_breakdown,
     shape_timers,
 )
+from specjax.models.attention import attention_path
 from specjax.models.llama import chunk_size, weight_bytes
 from specjax.prepare import DecodeConfig, prepare_decoding
 
@@ -745,6 +746,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "tree": args.tree or DEFAULT_TREE,
         "dflash": args.dflash,
         "prefill_chunk": chunk_size(args.prefill_chunk),
+        "attention": args.attention,
+        "attention_path": attention_path(args.attention),
         "device": jax.devices()[0].device_kind,
         "machine": machine(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -773,7 +776,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{r['refill_vs_static']:.2f}x | {r['idle_share_static']:.0%} | {r['idle_share_refill']:.0%} |\n"
             for r in engine_rows
         )
-    table += f"\n{compilation_summary()}\n"
+    table += f"\nAttention: {config['attention_path']} (--attention {args.attention}).\n\n{compilation_summary()}\n"
     report = {"config": config, "modes": rows, "compilations": compilations()}
     report |= {"forward_costs": sweep} if sweep else {}
     report |= {"context_costs": long_context} if long_context else {}

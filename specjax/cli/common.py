@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from specjax.config import INT32_END, SamplingConfig
+from specjax.config import ATTENTION_CHOICES, INT32_END, SamplingConfig
 from specjax.errors import InputError, OutputError, SpecjaxError
 from specjax.host import start_distributed, write_file
 from specjax.io.jsonl import read_prompt_records
@@ -114,6 +114,14 @@ def add_model_args(parser: argparse.ArgumentParser, batch_default: str = "all, a
         "(weight-only; drafts stay in --dtype)",
     )
     parser.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default="auto",
+        help="how decode steps read the KV cache: blocks, the pure-JAX block loop; pallas, the Pallas kernel (TPU; "
+        "interpreted elsewhere); auto (the default): on TPU the kernel once it has compiled and matched the loop on a "
+        "small input, else the loop",
+    )
+    parser.add_argument(
         "--coordinator",
         metavar="HOST:PORT|auto",
         help="multi-host: run the same command on every host with the coordinator's address (process 0's), or "
@@ -136,11 +144,12 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
 
 def load_target(args: argparse.Namespace):
     """The --model, in --dtype (int8 matrices with --quantize int8), read straight into its shards on --mesh (across
-    the processes of a multi-host run, which this joins first)."""
+    the processes of a multi-host run, which this joins first), its cache read as --attention says."""
     if args.coordinator is not None:
         start_distributed(None if args.coordinator == "auto" else args.coordinator, args.num_processes, args.process_id)
     dtype = None if args.dtype == "auto" else jnp.dtype(args.dtype)
-    return load_model(args.model, dtype, "auto" if args.mesh == "auto" else parse_mesh(args.mesh), args.quantize)
+    mesh = "auto" if args.mesh == "auto" else parse_mesh(args.mesh)
+    return load_model(args.model, dtype, mesh, args.quantize, args.attention)
 
 
 def gather_requests(args: argparse.Namespace, default: Sequence[str] = ()) -> list[tuple[str, int]]:

@@ -21,6 +21,7 @@ from specjax.decoding.stats import acceptance
 from specjax.drafters import SPEC_HELP
 from specjax.errors import InputError
 from specjax.host import device_memory, status
+from specjax.models.attention import attention_path
 from specjax.models.llama import chunk_size
 from specjax.prepare import DecodeConfig, decoding_memory_plan, menu_costs, prepare_decoding
 
@@ -144,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "tree": args.tree,
             "num_samples": args.num_samples,
             "prefill_chunk": chunk_size(args.prefill_chunk),
+            "attention": args.attention,
+            "attention_path": attention_path(args.attention),
         }
         report = {"config": config, "compilations": compilations(), "results": results}
         cli.write_results(json_out, json.dumps(report, indent=1, ensure_ascii=False))

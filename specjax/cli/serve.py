@@ -13,6 +13,7 @@ from specjax.decoding.engine import Engine
 from specjax.drafters import SPEC_HELP
 from specjax.errors import InputError
 from specjax.host import status
+from specjax.models.attention import attention_path
 from specjax.prepare import DecodeConfig, prepare_decoding
 from specjax.serving import build_app
 
@@ -76,7 +77,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         prefill_chunk=args.prefill_chunk,
     )
     name = args.served_model_name or args.model
-    status(f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots of {engine.num_slots} tokens)")
+    status(
+        f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots of {engine.num_slots} tokens, "
+        f"attention {attention_path(args.attention)})"
+    )
     app = build_app(engine, model.tokenizer, name, default_max_tokens=args.max_new_tokens)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specjax.config import ModelConfig
+from specjax.config import ModelConfig, check_attention
 from specjax.errors import CheckpointError
 from specjax.host import status
 from specjax.io.gguf import converted_folder, load_gguf
@@ -64,7 +64,11 @@ TINY_RANDOM = "tiny-random"
 
 
 def tiny_random_model(
-    dtype=jnp.float32, mesh: MeshChoice = None, quantize: str = "none", rules: Rules = DEFAULT_RULES
+    dtype=jnp.float32,
+    mesh: MeshChoice = None,
+    quantize: str = "none",
+    rules: Rules = DEFAULT_RULES,
+    attention: str = "auto",
 ) -> LoadedModel:
     """A 4-layer, 64-wide llama with random weights (seed 0) and SmolLM2's tokenizer: for pipeline smoke tests."""
     folder = converted_folder(embedded_gguf("smollm2-135m"))
@@ -83,6 +87,7 @@ def tiny_random_model(
         max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
+        attention=attention,
     )
     weights = quantize_weights(init_weights(cfg, jax.random.key(0), dtype, scale=0.1), quantize)
     on = mesh_for(mesh, cfg.num_kv_heads)
@@ -90,7 +95,12 @@ def tiny_random_model(
 
 
 def load_model(
-    name_or_path: str, dtype=None, mesh: MeshChoice = None, quantize: str = "none", rules: Rules = DEFAULT_RULES
+    name_or_path: str,
+    dtype=None,
+    mesh: MeshChoice = None,
+    quantize: str = "none",
+    rules: Rules = DEFAULT_RULES,
+    attention: str = "auto",
 ) -> LoadedModel:
     """Loads a built-in model ("smollm2-135m"; "tiny-random" for smoke tests), a .gguf file, an HF folder or a Hub repo.
 
@@ -108,14 +118,18 @@ def load_model(
         it is read, before it is placed (`specjax.models.quantize`).
       rules: the logical-axis rules that split the weights over the mesh: `specjax.sharding.DEFAULT_RULES`, or a
         table of `specjax.sharding.merged_rules` (the training config's `mesh.rules`).
+      attention: how the forward reads the KV cache (`ModelConfig.attention`): "auto" (the Pallas kernel on TPU
+        once it has passed its check there, else the pure-JAX block loop), "blocks" or "pallas"
+        (`specjax.models.attention`).
     Returns:
       The LoadedModel. Raises CheckpointError / UnsupportedModelError / InputError (SpecjaxError) on bad input.
     """
     check_quantize(quantize)
+    check_attention(attention)
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     if name_or_path == TINY_RANDOM:
-        return tiny_random_model(dtype, mesh, quantize, rules)
+        return tiny_random_model(dtype, mesh, quantize, rules, attention)
     if name_or_path in EMBEDDED:
         path = embedded_gguf(name_or_path)
     else:
@@ -131,4 +145,4 @@ def load_model(
             f"{name_or_path!r} is not a built-in model ({', '.join([*EMBEDDED, TINY_RANDOM])}), "
             "a .gguf file, a model folder or a Hugging Face Hub repo ORG/NAME[@REVISION]"
         )
-    return LoadedModel(cfg, weights, tokenizer, str(path))
+    return LoadedModel(dataclasses.replace(cfg, attention=attention), weights, tokenizer, str(path))

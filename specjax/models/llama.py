@@ -534,7 +534,9 @@ def forward_new_kv(
         h = rms_norm(x_btd, lw.attn_norm, eps)
         q = queries(lw, h, positions_bt, rope, eps)
         k, v = keys_values(lw, h, positions_bt, rope, eps)
-        attn = attend(q.reshape(B, T, K, G, -1), k, v, new_mask_btt, dataclasses.replace(cached, layer=i))
+        attn = attend(
+            q.reshape(B, T, K, G, -1), k, v, new_mask_btt, dataclasses.replace(cached, layer=i), cfg.attention
+        )
         x_btd = x_btd + weight_einsum("btnh,nhd->btd", attn.reshape(B, T, cfg.num_heads, -1), lw.o)
         return (mlp_block(lw, x_btd, eps), taps, i + 1), (k, v)
 
