@@ -1,5 +1,7 @@
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -14,6 +16,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 prefer_onednn_dots()
 
 REPO = Path(__file__).resolve().parent.parent
+
+# One persistent compilation cache for the whole run, shared by both workers and by every process a test starts:
+# many tests compile the same programs (the embedded model's prefill and rounds through each command line), and
+# XLA compiles each once. The first process (xdist's controller, whose environment the workers inherit) names it
+# and removes it at the end.
+RUN = os.environ.setdefault("SPECJAX_TESTS_RUN", str(os.getpid()))
+RUN_CACHE = Path(tempfile.gettempdir()) / f"specjax-tests-{RUN}"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(RUN_CACHE / "jax"))
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+def pytest_unconfigure(config):
+    if RUN == str(os.getpid()):
+        shutil.rmtree(RUN_CACHE, ignore_errors=True)
 
 
 def load_script(relative: str) -> ModuleType:

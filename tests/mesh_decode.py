@@ -1,7 +1,9 @@
 """Run as a script on fake CPU devices (8 unless XLA_FLAGS sets a count): `specjax-generate --mesh M` against one
 device, for each drafter, on a random target built in a work folder.
 
-  mesh_decode.py WORK compare MESH...      one line per mesh: whether every drafter's greedy tokens are one device's
+  mesh_decode.py WORK compare MESH... [--only NAME,NAME]
+                                           one line per mesh: whether every drafter's (or each named one's) greedy
+                                           tokens are one device's
   mesh_decode.py WORK tokens DRAFTER MESH [FLAG...]   the tokens of one drafter (by name) as JSON, from process 0
                                            (FLAGs go to specjax-generate: --coordinator and the like)
 """
@@ -115,6 +117,10 @@ def main(root: Path, command: str, args: list[str]) -> None:
             print(json.dumps(found), flush=True)
         return
     assert len(jax.devices()) == 8, jax.devices()
+    if "--only" in args:
+        at = args.index("--only")
+        drafters = {name: drafters[name] for name in args[at + 1].split(",")}
+        args = args[:at]
     one = {name: tokens(root, "data=1", flags) for name, flags in drafters.items()}
     for mesh in args:
         same = {name: tokens(root, mesh, flags) == one[name] for name, flags in drafters.items()}

@@ -406,7 +406,12 @@ def test_measured_costs_are_checked_by_a_drafting_call_then_follow_the_timed_rou
     assert plain.clock[0] == pytest.approx(step_s * 2**0.5) and np.allclose(plain.cost, menu.cost)  # the unit
 
 
-def test_costs_cached_10x_too_high_still_draft_in_the_first_call_and_move_toward_its_rounds(tmp_path, monkeypatch):
+# The first call's choice is deterministic; how the learned costs move depends on this machine's timing of the call,
+# so that part runs with -m slow (the arithmetic of learning is checked without a clock above).
+@pytest.mark.parametrize("timed", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_costs_cached_10x_too_high_still_draft_in_the_first_call_and_move_toward_its_rounds(
+    tmp_path, monkeypatch, timed
+):
     """Timed for real: 10x leaves room for a machine that slows down between the calibration and the call."""
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     drafter, kw = NgramDrafter(max_n=2), dict(batch=len(PROMPTS), sampling=SamplingConfig())
@@ -422,8 +427,9 @@ def test_costs_cached_10x_too_high_still_draft_in_the_first_call_and_move_toward
         WEIGHTS, CFG, PROMPTS, drafter=drafter, num_draft_tokens=menu, max_new_tokens=MAX_NEW, eos_ids=()
     )
     assert sum(r for k, r in out.stats.rounds_by_drafts.items() if k) > 0  # drafted
-    learned = menu.learn(out.stats)
-    assert all(learned.cost[1:] < menu.cost[1:])  # toward the rounds as timed
+    if timed:
+        learned = menu.learn(out.stats)
+        assert all(learned.cost[1:] < menu.cost[1:])  # toward the rounds as timed
 
 
 def test_the_machine_key_names_the_cpu_model_and_its_vector_extensions(tmp_path):
