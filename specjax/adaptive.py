@@ -107,14 +107,14 @@ class Adaptive:
     """A menu whose entry each round chooses: the menu (static), what its entries cost and the prior (data: another
     calibration or prior reuses the executable)."""
 
-    cost: jax.Array  # float32 [S]: a round of each entry, in plain decoding steps of the same batch
+    cost: jax.Array  # float32 [M]: a round of each entry, in plain decoding steps of the same batch
     prior: jax.Array  # float32 [R]: a row's acceptance rate before it has drafted, per kind of round
     seen: jax.Array  # float32 [R]: the tried depths pooled into the prior beyond PRIOR_WEIGHT (`learn`)
     track_record: jax.Array  # float32 [2]: the learned calls' plain decoding steps, and what their loops cost
     # float32 [2]: seconds of a plain decoding step and of the prefill per prompt token, which measured costs are
     # relative to (zeros: costs given, which no call's timing corrects)
     clock: jax.Array
-    timed: jax.Array  # float32 [S]: rounds of each entry that learned calls ran (`learn`)
+    timed: jax.Array  # float32 [M]: rounds of each entry that learned calls ran (`learn`)
     menu: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # draft sizes; 0: plain step
 
     @classmethod
@@ -149,7 +149,7 @@ class Adaptive:
 
     @property
     def prices(self) -> jax.Array:
-        """float32 [S]: the costs a choice weighs. Measured costs are an estimate until a call's timing has checked a
+        """float32 [M]: the costs a choice weighs. Measured costs are an estimate until a call's timing has checked a
         drafting round, and an estimate too high would never be checked (no round would draft); so until then a
         drafting entry is priced at most one plain step, the least any round costs, and the first call drafts."""
         drafting = jnp.asarray([k > 0 for k in self.menu])
@@ -175,17 +175,17 @@ class Adaptive:
     def choose(
         self, state: AdaptiveState, depths: Sequence[int], regime_b: jax.Array, remaining_b: jax.Array
     ) -> jax.Array:
-        """The entry that ends the batch soonest (`choose`), at each row's estimate for the kind of round it is in."""
+        """The entry that ends the batch soonest (`soonest_entry`), at each row's estimate for its kind of round."""
         rate_b = jnp.take_along_axis(rates(self, state.tally_brc), regime_b[:, None], axis=1)[:, 0]
-        return choose(self, depths, rate_b, paces(state.pace_b2), remaining_b)
+        return soonest_entry(self, depths, rate_b, paces(state.pace_b2), remaining_b)
 
     def observe(self, state: AdaptiveState, entry: int, depth: int, regime_b, n_b, count_b, running_b) -> AdaptiveState:
         """The state after a round of menu entry `entry` (static), `depth` deep, that accepted n_b drafts and emitted
         count_b tokens in each running row."""
         return AdaptiveState(
-            tally_brc=observe(state.tally_brc, regime_b, depth, n_b, running_b),
+            tally_brc=tallied(state.tally_brc, regime_b, depth, n_b, running_b),
             pace_b2=step_pace(state.pace_b2, self.prices[entry], count_b, running_b),
-            evidence_r2=state.evidence_r2 + evidence(regime_b, depth, n_b, running_b, state.evidence_r2.shape[0]),
+            evidence_r2=state.evidence_r2 + round_evidence(regime_b, depth, n_b, running_b, state.evidence_r2.shape[0]),
         )
 
     def evidence(self, state: AdaptiveState) -> list[tuple[float, float]]:
@@ -193,8 +193,8 @@ class Adaptive:
         return [(float(a), float(t)) for a, t in jax.device_get(state.evidence_r2)]
 
     def never_drafts(self, depths: Sequence[int]) -> bool:
-        """Whether plain decoding should replace the loop (`never_drafts`)."""
-        return never_drafts(self, depths)
+        """Whether plain decoding should replace the loop (`drafting_never_pays`)."""
+        return drafting_never_pays(self, depths)
 
     def learn(self, stats: Any) -> Adaptive:
         """This menu after a call (its `SpecStats`): each kind's prior pooled with the call's accepted drafts and tried
@@ -274,7 +274,9 @@ def expected_tokens(rate_b: jax.Array, depth: int) -> jax.Array:
     return (1 - r ** (depth + 1)) / (1 - r)
 
 
-def choose(adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, pace_b: jax.Array, remaining_b: jax.Array):
+def soonest_entry(
+    adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, pace_b: jax.Array, remaining_b: jax.Array
+):
     """The menu entry that would end the batch soonest (int32 []): least cost of the round plus the steps its slowest
     row would still need after it, at that row's pace.
 
@@ -299,7 +301,7 @@ def menu_depths(drafter: Any, menu: Sequence[int]) -> list[int]:
     return [shape.depth for shape in menu_shapes(drafter, menu)]
 
 
-def never_drafts(adaptive: Adaptive, depths: Sequence[int]) -> bool:
+def drafting_never_pays(adaptive: Adaptive, depths: Sequence[int]) -> bool:
     """Whether plain decoding should replace the loop: the loop's earlier calls did not beat plain decoding (its track
     record, `Adaptive.learn`), or, at the priors, where every row starts, no drafting entry is
     expected to cost less per token than a plain decoding step (the costs' unit) and than the loop's own plain step.
@@ -348,7 +350,7 @@ def step_pace(pace_b2: jax.Array, cost: jax.Array, count_b: jax.Array, running_b
     return jnp.where(running_b[:, None], moved, pace_b2)
 
 
-def observe(tally_brc: jax.Array, regime_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array) -> jax.Array:
+def tallied(tally_brc: jax.Array, regime_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array) -> jax.Array:
     """The tallies after a round `depth` deep (static) in which the running rows, each in its kind of round regime_b,
     accepted n_b drafts: that kind's tally keeps ROW_MEMORY of itself and adds the round's counts."""
     here = running_b[:, None] & (jnp.arange(tally_brc.shape[1])[None, :] == regime_b[:, None])
@@ -356,7 +358,7 @@ def observe(tally_brc: jax.Array, regime_b: jax.Array, depth: int, n_b: jax.Arra
     return jnp.where(here[..., None], moved, tally_brc)
 
 
-def evidence(regime_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array, regimes: int) -> jax.Array:
+def round_evidence(regime_b: jax.Array, depth: int, n_b: jax.Array, running_b: jax.Array, regimes: int) -> jax.Array:
     """float32 [R, 2]: a round's accepted drafts and tried depths per kind of round, over its running rows
     (`Adaptive.learn`)."""
     return jax.ops.segment_sum(counts(depth, n_b) * running_b[:, None], regime_b, num_segments=regimes)

@@ -14,7 +14,7 @@ import pytest
 
 import specjax.adaptive as adaptive_mod
 import specjax.decoding.speculative as spec
-from specjax.adaptive import Adaptive, choose, first_pace, observe, paces, rates, step_pace
+from specjax.adaptive import Adaptive, first_pace, paces, rates, soonest_entry, step_pace, tallied
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import generate as ar_generate
 from specjax.decoding.batch import pack_prompts, prepare_batch
@@ -76,18 +76,20 @@ def test_greedy_output_is_identical_whatever_the_menu_picks(cost, expect, ar_bat
 
 
 def test_where_drafting_cannot_pay_at_the_prior_plain_decoding_runs_instead_of_the_loop(ar_batch, monkeypatch):
-    """never_drafts: the loop itself would take the plain step in every round, so plain decoding replaces it."""
+    """drafting_never_pays: the loop itself would take the plain step in every round, so plain decoding replaces it."""
     cost = [1, 50, 60, 70, 90]
-    assert adaptive_mod.never_drafts(Adaptive.of(MENU, cost), [0, 1, 2, 3, 5])
-    assert not adaptive_mod.never_drafts(Adaptive.of(MENU, [1, 1.25, 1.45, 1.6, 2.0]), [0, 1, 2, 3, 5])
-    assert not adaptive_mod.never_drafts(Adaptive.of((1, 2), [1.0, 1.2]), [1, 2])  # 0.63 steps a token: it pays
+    assert adaptive_mod.drafting_never_pays(Adaptive.of(MENU, cost), [0, 1, 2, 3, 5])
+    assert not adaptive_mod.drafting_never_pays(Adaptive.of(MENU, [1, 1.25, 1.45, 1.6, 2.0]), [0, 1, 2, 3, 5])
+    assert not adaptive_mod.drafting_never_pays(Adaptive.of((1, 2), [1.0, 1.2]), [1, 2])  # 0.63 steps a token: it pays
     # The loop's plain step costs 1.3 plain decoding steps (its bookkeeping): at the prior (E = 1.96 tokens for 2
     # drafts) the loop would draft, but a round of 2.2 steps is 1.12 a token, so plain decoding beats it.
     prior_pace = jnp.array([2.2 / 1.96])
-    assert int(choose(Adaptive.of((0, 2), [1.3, 2.2]), [0, 2], jnp.array([0.6]), prior_pace, jnp.array([100]))) == 1
-    assert adaptive_mod.never_drafts(Adaptive.of((0, 2), [1.3, 2.2]), [0, 2])
-    assert adaptive_mod.never_drafts(Adaptive.of((2,), [2.2]), [2])  # likewise without a plain step in the menu
-    assert not adaptive_mod.never_drafts(Adaptive.of((0, 2), [1.3, 1.8]), [0, 2])  # 0.92 a token: the loop pays
+    assert (
+        int(soonest_entry(Adaptive.of((0, 2), [1.3, 2.2]), [0, 2], jnp.array([0.6]), prior_pace, jnp.array([100]))) == 1
+    )
+    assert adaptive_mod.drafting_never_pays(Adaptive.of((0, 2), [1.3, 2.2]), [0, 2])
+    assert adaptive_mod.drafting_never_pays(Adaptive.of((2,), [2.2]), [2])  # likewise without a plain step in the menu
+    assert not adaptive_mod.drafting_never_pays(Adaptive.of((0, 2), [1.3, 1.8]), [0, 2])  # 0.92 a token: the loop pays
     monkeypatch.setattr(Adaptive, "never_drafts", lambda *args: False)
     looped = run(cost)
     assert looped.stats.rounds_by_drafts == {0: MAX_NEW - 1, 1: 0, 2: 0, 3: 0, 5: 0}  # the premise, in the loop
@@ -216,12 +218,16 @@ def test_a_batch_drafts_as_deep_as_its_slowest_row_gains():
     (copied text elsewhere) lets the batch draft deep for a slower one."""
     menu, depths, rate = Adaptive.of((0, 5), [1.0, 1.5]), [0, 5], jnp.array([0.9, 0.0])
     pace = jnp.array([1.5 / 4.69, 1.0])  # each row's best entry at its rate: 5 drafts (E = 4.69), plain steps
-    assert int(choose(menu, depths, rate, pace, jnp.array([100, 100]))) == 0
-    assert int(choose(menu, depths, rate[:1], pace[:1], jnp.array([100]))) == 1  # alone, the row that accepts drafts
-    assert int(choose(menu, depths, rate, pace, jnp.array([100, 0]))) == 1  # the other row is done
-    assert int(choose(menu, depths, rate, pace, jnp.array([100, 2]))) == 1  # 2 tokens to go: 100 x 0.32 is longer
-    assert int(choose(menu, depths, rate, jnp.array([0.6, 0.3]), jnp.array([100, 100]))) == 1
-    assert int(choose(menu, depths, rate[:1], pace[:1], jnp.array([1]))) == 0  # its last token: no drafts
+    assert int(soonest_entry(menu, depths, rate, pace, jnp.array([100, 100]))) == 0
+    assert (
+        int(soonest_entry(menu, depths, rate[:1], pace[:1], jnp.array([100]))) == 1
+    )  # alone, the row that accepts drafts
+    assert int(soonest_entry(menu, depths, rate, pace, jnp.array([100, 0]))) == 1  # the other row is done
+    assert (
+        int(soonest_entry(menu, depths, rate, pace, jnp.array([100, 2]))) == 1
+    )  # 2 tokens to go: 100 x 0.32 is longer
+    assert int(soonest_entry(menu, depths, rate, jnp.array([0.6, 0.3]), jnp.array([100, 100]))) == 1
+    assert int(soonest_entry(menu, depths, rate[:1], pace[:1], jnp.array([1]))) == 0  # its last token: no drafts
 
 
 def test_a_rows_pace_starts_at_the_prior_and_follows_its_rounds():
@@ -252,11 +258,11 @@ def test_a_round_moves_the_tally_of_each_rows_kind_alone():
     tally = jnp.asarray([[[1.0, 2.0], [5.0, 6.0]]] * 3)
     assert np.allclose(rates(menu, tally)[0], [(2.4 + 1) / 6, (2.4 + 5) / 10])
     regime, running = jnp.asarray([0, 1, 1]), jnp.asarray([True, True, False])
-    drafted = observe(tally, regime, 3, jnp.asarray([3, 0, 0]), running)  # counts (3, 3) and (0, 1)
+    drafted = tallied(tally, regime, 3, jnp.asarray([3, 0, 0]), running)  # counts (3, 3) and (0, 1)
     assert np.allclose(drafted, [[[3.8, 4.6], [5, 6]], [[1, 2], [4, 5.8]], [[1, 2], [5, 6]]])
-    plain = observe(tally, regime, 0, jnp.zeros(3, jnp.int32), running)
+    plain = tallied(tally, regime, 0, jnp.zeros(3, jnp.int32), running)
     assert np.allclose(plain, [[[0.8, 1.6], [5, 6]], [[1, 2], [4, 4.8]], [[1, 2], [5, 6]]])
-    rejected_first = rates(menu, observe(jnp.zeros((1, 2, 2)), regime[:1], 5, jnp.asarray([0]), running[:1]))
+    rejected_first = rates(menu, tallied(jnp.zeros((1, 2, 2)), regime[:1], 5, jnp.asarray([0]), running[:1]))
     assert np.isclose(rejected_first[0, 0], 2.4 / 5)  # one failed depth, not a rate of 0
 
 
@@ -289,10 +295,10 @@ def test_the_prior_and_the_track_record_learn_from_earlier_calls_without_compili
     learned = menu.learn(call([(2, 10), (0, 0)], [4, 3, 3], 12))
     assert np.allclose(learned.prior, [(12 + 2) / 30, 0.6]) and np.allclose(learned.seen, [10, 0])
     assert np.allclose(learned.track_record, [12, 4 * 1.0 + 3 * 1.2 + 3 * 1.4])  # 12 steps against 11.8: it paid
-    assert not adaptive_mod.never_drafts(learned, [0, 1, 2])
+    assert not adaptive_mod.drafting_never_pays(learned, [0, 1, 2])
     again = learned.learn(call([(0, 10), (0, 0)], [10, 0, 0], 9))  # plain steps alone: 10 against 9 steps
     assert np.allclose(again.prior, [(12 + 2) / 40, 0.6])  # pooled: 2 of 20 tried
-    assert np.allclose(again.track_record, [21, 21.8]) and adaptive_mod.never_drafts(again, [0, 1, 2])
+    assert np.allclose(again.track_record, [21, 21.8]) and adaptive_mod.drafting_never_pays(again, [0, 1, 2])
     assert again.summary() == {"prior": [0.35, 0.6], "cost": {0: 0.9, 1: 1.2, 2: 1.4}, "loop_gain": round(21 / 21.8, 3)}
     assert menu.learn(call([], [5, 0, 0], 5)) is menu  # plain decoding ran: nothing tried, no loop
 
@@ -306,14 +312,14 @@ def test_the_prior_and_the_track_record_learn_from_earlier_calls_without_compili
 
     wrong = ModelDrafter(init_weights(CFG, jax.random.key(1), scale=0.3), CFG)  # an unrelated model
     menu = Adaptive.of((1, 2), [1.2, 1.5])  # a round of 1 draft at the prior 0.6: 0.75 steps a token
-    assert not adaptive_mod.never_drafts(menu, [1, 2])
+    assert not adaptive_mod.drafting_never_pays(menu, [1, 2])
     for _ in range(3):
         menu = menu.learn(
             spec.generate(
                 WEIGHTS, CFG, PROMPTS, drafter=wrong, num_draft_tokens=menu, max_new_tokens=MAX_NEW, eos_ids=()
             ).stats
         )
-    assert adaptive_mod.never_drafts(menu, [1, 2]) and float(menu.prior[0]) < 0.2
+    assert adaptive_mod.drafting_never_pays(menu, [1, 2]) and float(menu.prior[0]) < 0.2
 
 
 def test_calibration_times_each_entry_alone_in_the_loop_decoding_compiles(monkeypatch):
@@ -388,8 +394,10 @@ def test_measured_costs_are_checked_by_a_drafting_call_then_follow_the_timed_rou
     step_s, token_s = 0.01, 0.001
     menu = Adaptive.of((0, 2, 5), [1.0, 3.3, 4.5], clock=(step_s, token_s))  # the rounds truly cost 1.1 and 1.5
     depths = [0, 2, 5]
-    assert np.allclose(menu.prices, [1.0, 1.0, 1.0]) and not adaptive_mod.never_drafts(menu, depths)
-    assert adaptive_mod.never_drafts(Adaptive.of((0, 2, 5), [1.0, 3.3, 4.5]), depths)  # given costs: taken as given
+    assert np.allclose(menu.prices, [1.0, 1.0, 1.0]) and not adaptive_mod.drafting_never_pays(menu, depths)
+    assert adaptive_mod.drafting_never_pays(
+        Adaptive.of((0, 2, 5), [1.0, 3.3, 4.5]), depths
+    )  # given costs: taken as given
     prefill_s = step_s + 63 * token_s
     learned = menu.learn(timed_call({0: 0, 2: 0, 5: 20}, prefill_s + 20 * 1.5 * step_s))
     assert np.allclose(learned.cost, [1.0, 1.1, 1.5], rtol=1e-5) and np.allclose(learned.timed, [0, 0, 20])

@@ -66,7 +66,7 @@ class SpecState:
     policy_state: Any  # the policy's pytree
     rounds: jax.Array  # [] loop iterations
     accepted_hist: jax.Array  # [D + 1] row-rounds (of rows still running) that accepted 0..D drafts
-    menu_rounds: jax.Array  # [S] rounds of each menu entry
+    menu_rounds: jax.Array  # [M] rounds of each menu entry
     keys_b: jax.Array  # [B] typed PRNG keys: each row's own, split every round
 
 
