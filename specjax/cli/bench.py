@@ -220,10 +220,15 @@ class SpeculativeMode:
     fallback: DrafterEntry | None = None
     tree: bool = False
 
+    @property
+    def drafters(self) -> tuple[DrafterEntry, ...]:
+        """The entries its spec names, the wrapping one first."""
+        return (self.entry, self.fallback) if self.fallback else (self.entry,)
+
     def spec(self, cfg: ModelConfig, options: dict) -> str:
         """The `drafter_from_spec` spec of this mode; raises InputError where a checkpoint it needs is not given."""
         parts = []
-        for entry in (self.entry, self.fallback) if self.fallback else (self.entry,):
+        for entry in self.drafters:
             if entry.checkpoint is not None:
                 path = options[option_dest(entry)]
                 if not path:
@@ -581,7 +586,7 @@ def add_drafter_options(p: cli.ArgumentParser) -> None:
     draft checkpoint, the entry's `BenchOption` otherwise (one option for the entries that share it)."""
     users: dict[str, tuple[DrafterEntry, list[str]]] = {}
     for mode in speculative_modes().values():
-        for entry in (mode.entry, mode.fallback) if mode.fallback else (mode.entry,):
+        for entry in mode.drafters:
             users.setdefault(option_flag(entry), (entry, []))[1].append(mode.name)
     for flag, (entry, modes) in users.items():
         used_by = f"{', '.join(modes)} mode{'s' if len(modes) > 1 else ''}"
@@ -594,8 +599,8 @@ def add_drafter_options(p: cli.ArgumentParser) -> None:
 
 def drafter_options(args) -> dict:
     """The values of `add_drafter_options`' options, by their names (as the JSON report's config names them)."""
-    flags = {option_flag(e) for mode in speculative_modes().values() for e in (mode.entry, mode.fallback) if e}
-    return {flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in sorted(flags)}
+    dests = {option_dest(entry) for mode in speculative_modes().values() for entry in mode.drafters}
+    return {dest: getattr(args, dest) for dest in sorted(dests)}
 
 
 def parser() -> cli.ArgumentParser:
