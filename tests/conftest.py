@@ -7,6 +7,7 @@ from types import ModuleType
 
 import jax
 import pytest
+import repeat_drafter  # noqa: F401  registers a drafter only the tests know, which the shared drafter tests then run
 
 from specjax.cli.common import prefer_onednn_dots
 from specjax.decoding import batch

@@ -10,6 +10,7 @@ import pytest
 
 from specjax import host
 from specjax.cli import bench
+from specjax.errors import InputError
 from specjax.io.loading import tiny_random_model
 from specjax.measure import bandwidth, calibration
 
@@ -178,6 +179,31 @@ def test_bad_bench_input_is_one_line_and_exit_2(flags, needle, capsys):
         bench.entry(["--model", "tiny-random", "--prompt", "Hi", *flags])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_the_modes_come_from_the_registered_drafters():
+    """A drafter of trees gives NAME-chain and NAME-tree; one of a draft checkpoint its --NAME option and, behind
+    lookup first, NAME+FALLBACK; the layer-skip drafter its --draft-layers; the model and test drafters, which no bench
+    option sets, none."""
+    modes = bench.speculative_modes()
+    assert list(modes) == [
+        "ngram",
+        "layerskip",
+        "eagle3-chain",
+        "eagle3-tree",
+        "dflash",
+        "ngram+eagle3",
+        "ngram+dflash",
+    ]
+    assert modes["eagle3-tree"].tree and not modes["eagle3-chain"].tree and modes["ngram+dflash"].entry.wraps
+    options = {"ngram": 4, "draft_layers": None, "eagle3": "HEAD", "dflash": None}
+    cfg = tiny_random_model().cfg
+    assert modes["ngram+eagle3"].spec(cfg, options) == "ngram:4+eagle3:HEAD"
+    assert modes["layerskip"].spec(cfg, options) == f"layerskip:{max(1, cfg.num_layers // 4)}"
+    with pytest.raises(InputError, match="mode ngram\\+dflash needs a DFlash draft folder: --dflash PATH"):
+        modes["ngram+dflash"].spec(cfg, options)
+    args = bench.parser().parse_args(["--eagle3", "HEAD"])
+    assert bench.drafter_options(args) == {"dflash": None, "draft_layers": None, "eagle3": "HEAD", "ngram": 3}
 
 
 def test_lookup_first_is_spelled_as_in_generate_and_the_old_spelling_warns(capsys):

@@ -1,4 +1,5 @@
-"""Drafters alone: prompt lookup on hand-made texts, layer-skip = the truncated target, real draft_probs, specs."""
+"""Drafters alone: prompt lookup on hand-made texts, layer-skip = the truncated target, real draft_probs, specs, the
+registry."""
 
 import dataclasses
 import functools
@@ -8,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from drafters_fixture import drafter_cases
+from repeat_drafter import REPEAT, RepeatLastDrafter
 
 from specjax.cli.generate import entry
 from specjax.config import ModelConfig, SamplingConfig
@@ -21,8 +24,11 @@ from specjax.drafters import (
     NgramDrafter,
     drafter_from_spec,
     draw,
+    entries,
     ngram_lookup,
     ngram_proposal,
+    register,
+    spec_help,
 )
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
@@ -176,6 +182,23 @@ def test_drafter_from_spec():
         drafter_from_spec("model:x", WEIGHTS, CFG, load=lambda path: (other, init_weights(other, jax.random.key(0))))
     with pytest.raises(InputError, match="drop tree$"):
         drafter_from_spec("ngram+eagle3:x", WEIGHTS, CFG, tree=TreeSpec(3, 2, 4))
+
+
+def test_a_drafter_added_by_registration_alone_is_in_every_spec_help_and_shared_test():
+    """The tests' own drafter (`repeat_drafter`, registered by the conftest and by nothing else) is built from its
+    spec, listed in the help, and a case of the shared parametrization, which the greedy exactness test
+    (test_speculative.py) and the refilled-slots test (test_engine.py) run; a taken name is refused."""
+    drafter = drafter_from_spec("repeat", WEIGHTS, CFG)
+    assert isinstance(drafter, RepeatLastDrafter)
+    lookup_first = drafter_from_spec("ngram:2+repeat", WEIGHTS, CFG)
+    assert isinstance(lookup_first, LookupFirstDrafter) and isinstance(lookup_first.fallback, RepeatLastDrafter)
+    assert "repeat (the last token, K times)" in spec_help() and REPEAT in entries()
+    assert drafter_cases()["repeat"].entry is REPEAT
+    assert drafter_cases()["repeat"].build(WEIGHTS, CFG) == RepeatLastDrafter()
+    with pytest.raises(InputError, match="cannot register"):
+        register(REPEAT)
+    with pytest.raises(InputError, match="drafts chains"):
+        drafter_from_spec("repeat", WEIGHTS, CFG, tree=TreeSpec(3, 2, 4))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,17 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from drafters_fixture import drafter_cases, drafter_params
 
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import batch, speculative
 from specjax.decoding.autoregressive import generate
 from specjax.decoding.engine import Engine
-from specjax.drafters import DFlashDrafter, Eagle3Drafter, LookupFirstDrafter, ModelDrafter, NgramDrafter
-from specjax.drafters.tree import TreeSpec
+from specjax.drafters import ModelDrafter, NgramDrafter
 from specjax.errors import InputError
-from specjax.models.dflash import DFlashConfig, init_dflash
-from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights
 from specjax.sampling import Sampling, probabilities
@@ -34,31 +31,26 @@ def requests(n: int, seed: int) -> list[tuple[list[int], int]]:
     return [([rng.randrange(2, 8) for _ in range(rng.randrange(1, 30))], rng.randrange(1, 24)) for _ in range(n)]
 
 
-def eagle3(tree=None):
-    head = Eagle3Head(Eagle3Config.default_for(CFG), rngs=nnx.Rngs(1), init_scale=0.3)
-    return Eagle3Drafter.create(head, WEIGHTS.embed, tree)
-
-
-def dflash():
-    cfg = DFlashConfig.default_for(CFG, mask_token_id=7, num_layers=1, block_size=4, target_layer_ids=(0, 2))
-    return DFlashDrafter.for_target(init_dflash(cfg, jax.random.key(2), scale=0.3), cfg, WEIGHTS)
-
-
-DRAFTERS = {
-    "plain": lambda: None,
-    "ngram": lambda: NgramDrafter(max_n=2),
-    "eagle3 chain": eagle3,
-    "eagle3 tree": lambda: eagle3(TreeSpec(3, 2, 6)),
-    "lookup first": lambda: LookupFirstDrafter(eagle3(), n=2),  # an EAGLE-3 chain where the lookup finds nothing
-    "dflash": dflash,
+DRAFTERS = drafter_cases()
+# Registered drafters whose run here CI leaves to -m slow, with the CI test that covers their contract instead.
+SLOW = {
+    "eagle3-chain": "the ngram+eagle3 case, whose rows the lookup does not match, drafts with an EAGLE-3 chain",
+    "model": "test_a_refilled_slot_samples_exactly_the_targets_distribution: a draft model through refilled slots",
+    "layerskip": "the same drafting and state as the model drafter (specjax.drafters.model)",
 }
-IN_CI = [pytest.param(n, marks=pytest.mark.slow) if n == "eagle3 chain" else n for n in DRAFTERS]
 
 
-@pytest.mark.parametrize("name", IN_CI)
-def test_greedy_output_through_refilled_slots_equals_each_prompt_alone(name):
+def plain_or(case):
+    """Plain decoding (None) or a registered drafter's case."""
+    return None if case is None else case.build(WEIGHTS, CFG)
+
+
+@pytest.mark.parametrize("case", [pytest.param(None, id="plain"), *drafter_params(SLOW)])
+def test_greedy_output_through_refilled_slots_equals_each_prompt_alone(case):
+    """Plain decoding and every registered drafter (`drafters_fixture`), untrained."""
+    name = "plain" if case is None else case.name
     engine = Engine(
-        WEIGHTS, CFG, drafter=DRAFTERS[name](), num_draft_tokens=3, slots=3, max_context=64, prefill_chunk=8
+        WEIGHTS, CFG, drafter=plain_or(case), num_draft_tokens=3, slots=3, max_context=64, prefill_chunk=8
     )  # prompts of 1 to 4 chunks, prefilled a chunk per round beside running rows
     work = requests(10, seed=len(name))
     rng = random.Random(0)
@@ -82,14 +74,14 @@ def test_greedy_output_through_refilled_slots_equals_each_prompt_alone(name):
         assert engine.state.accepted_hist[1:].sum() > 0  # drafts were accepted, some rows more than others
 
 
-@pytest.mark.parametrize("name", ["plain", "eagle3 tree"])
+@pytest.mark.parametrize("name", ["plain", "eagle3-tree"])
 def test_a_seeded_request_samples_the_same_tokens_whoever_shares_the_slots(name):
     """Temperature 1 (the tree's drafts sampled too): each request's tokens, by its own seed, are those it gets
     alone: from `speculative.generate([prompt], seed=[seed])` with the drafter (the same loop, no engine), from a
     one-slot engine for plain decoding (whose rounds split their keys as the speculative loop does, not as
     `generate`'s steps)."""
     hot = SamplingConfig(temperature=1.0)
-    drafter = DRAFTERS[name]()
+    drafter = plain_or(DRAFTERS.get(name))
     shared = Engine(WEIGHTS, CFG, drafter=drafter, num_draft_tokens=3, slots=2, max_context=64, sampled=True)
     alone = Engine(WEIGHTS, CFG, drafter=drafter, num_draft_tokens=3, slots=1, max_context=64, sampled=True)
     work = requests(6, seed=11)

@@ -1,5 +1,5 @@
 """specjax's compiled programs lower for GPUs and TPUs from this CPU (`jax.export` with platforms cuda and tpu): the
-speculative loop with n-gram, EAGLE-3 chain and EAGLE-3 tree drafters and an adaptive menu, greedy and sampled; the
+speculative loop with every registered drafter and an adaptive menu, greedy and sampled; the
 autoregressive loop; the sharded training step on a mesh of 8 fake devices (exported in a subprocess). Their
 modules hold no custom call that only a CPU runs."""
 
@@ -12,15 +12,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from drafters_fixture import drafter_params
 from jax import export
-from test_plan import random_head
 
 import specjax.decoding.speculative as spec
 from specjax.adaptive import Adaptive, Fixed
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.autoregressive import decode
-from specjax.drafters import Eagle3Drafter, NgramDrafter
-from specjax.drafters.tree import TreeSpec
+from specjax.drafters import NgramDrafter
 from specjax.models.llama import init_weights
 from specjax.sampling import Sampling
 
@@ -33,7 +32,6 @@ CPU_ONLY = re.compile(r"lapack|ducc|cpu|callback", re.IGNORECASE)
 
 CFG = ModelConfig("llama", 64, 32, 64, 4, 4, 2, 8, max_position_embeddings=256, eos_token_ids=(1,))
 WEIGHTS = init_weights(CFG, jax.random.key(0), scale=0.3)
-HEAD = random_head(CFG)
 BATCH, PROMPT = 2, 64
 SAMPLING = {"greedy": SamplingConfig(), "sampled": SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)}
 
@@ -66,18 +64,19 @@ def loop_inputs(sampling: SamplingConfig):
     return tokens, jnp.array([3, 21], jnp.int32), limits, keys, Sampling.of(sampling, BATCH)
 
 
-DRAFTERS = {
-    "ngram": (NgramDrafter(max_n=2), None),
-    "ngram-adaptive": (NgramDrafter(max_n=2), Adaptive.of([0, 1, 3], [1.0, 1.3, 1.6])),
-    "eagle3-chain": (Eagle3Drafter.create(HEAD, WEIGHTS.embed), None),
-    "eagle3-tree": (Eagle3Drafter.create(HEAD, WEIGHTS.embed, TreeSpec(3, 3, 8)), None),
+ADAPTIVE = Adaptive.of([0, 1, 3], [1.0, 1.3, 1.6])  # with the n-gram drafter: a menu with a plain step
+# Registered drafters whose export CI leaves to -m slow, with the case that lowers the same operations.
+SLOW = {
+    "model": "layerskip: the same drafting code (specjax.drafters.model) over the target's first layers",
+    "repeat": "ngram: a one-hot chain from the committed text, with no state",
 }
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
-@pytest.mark.parametrize("name", list(DRAFTERS))
-def test_speculative_loop_exports_for_gpu_and_tpu(name, sampling):
-    drafter, adaptive = DRAFTERS[name]
+@pytest.mark.parametrize("case", [*drafter_params(SLOW), pytest.param(None, id="ngram-adaptive")])
+def test_speculative_loop_exports_for_gpu_and_tpu(case, sampling):
+    """Every registered drafter (`drafters_fixture`) drafting 3, and the n-gram drafter with an adaptive menu."""
+    drafter, adaptive = (NgramDrafter(max_n=2), ADAPTIVE) if case is None else (case.build(WEIGHTS, CFG), None)
     exported = export.export(spec.speculative_decode, platforms=PLATFORMS)(
         WEIGHTS,
         drafter,

@@ -1,8 +1,11 @@
-"""The package's shape: one installed package, its wings stacked with arrows only downward, and no import circle."""
+"""The package's shape: one installed package, its wings stacked with arrows only downward, no import circle, and
+each drafter's name spelled only in its module and the registry."""
 
 import ast
 import importlib.util
+import re
 import subprocess
+import sys
 from importlib.metadata import distribution
 from pathlib import Path
 
@@ -163,3 +166,69 @@ def test_the_top_level_is_the_design_cards():
         first = (REPO / folder / "README.md").read_text().splitlines()
         assert library in " ".join(first[:3]), (folder, first[:3])
     assert not (REPO / "decode" / "__init__.py").exists() and not (REPO / "train" / "__init__.py").exists()
+
+
+def spelled_drafter_names(path: Path, kinds: set[str]) -> list[tuple[int, str, str]]:
+    """(line, kind, text) of each place in a source file that spells a drafter's kind as a drafter name: a string
+    literal holding a spec token (`KIND:ARG`, `KIND[:N]`, `KIND+SPEC`, `SPEC+KIND`, a bench mode `KIND-chain` /
+    `KIND-tree`), or a literal that is exactly KIND compared against (`mode == "KIND"`, `kind in ("KIND", ...)`)."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for kind in kinds:
+        k = re.escape(kind)
+        token = re.compile(rf"(?<![\w.-]){k}(:(?=[\w{{/.~\[]|$)|\[:|\+|-(chain|tree)\b)|\+{k}(?![\w-])")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and token.search(node.value):
+                found.append((node.lineno, kind, node.value))
+            elif isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    found += [
+                        (node.lineno, kind, c.value)
+                        for c in ast.walk(side)
+                        if isinstance(c, ast.Constant) and c.value == kind
+                    ]
+    return found
+
+
+def test_no_drafter_name_is_spelled_outside_its_module_and_the_registry():
+    """Adding or removing a drafter touches its module and its registration: no other source file of the package,
+    the command-line tools included (their help comes from the registry), spells a registered drafter's name.
+
+    What counts (`spelled_drafter_names`): spec tokens in string literals (`eagle3:PATH`, `ngram[:N]`, `ngram+eagle3`,
+    `eagle3-tree`) and literals that are exactly a name compared against (`mode == "ngram"`). Prose ("EAGLE-3",
+    "n-gram"), module paths (`specjax.models.eagle3`) and other words equal to a name used as such (the JSON field
+    "model") do not count. Where a name may appear: the registry (`registry.py` and its `entry.py`), the module that
+    defines the entry, the modules named after it (`models/eagle3.py`, `io/eagle3_checkpoint.py`: the model and
+    checkpoint format it loads) and `specjax/train/`, whose `model.drafter` names the kind of draft to train (a
+    training kind, not a drafting spec)."""
+    from specjax.drafters import entries
+
+    registry = {ROOT / "drafters" / "registry.py", ROOT / "drafters" / "entry.py"}
+    spelled = []
+    for entry in entries():
+        module = sys.modules[entry.build.__module__]
+        if not module.__name__.startswith("specjax."):
+            continue  # a drafter registered from outside the package (the tests' own)
+        allowed = registry | {Path(module.__file__)}
+        for path in ROOT.rglob("*.py"):
+            own = path.stem == entry.kind or path.stem.startswith(entry.kind + "_")
+            if path in allowed or own or (ROOT / "train") in path.parents:
+                continue
+            spelled += [(str(path.relative_to(REPO)), *hit) for hit in spelled_drafter_names(path, {entry.kind})]
+    assert not spelled, spelled
+
+
+def test_the_name_check_sees_a_spec_a_mode_and_a_comparison(tmp_path):
+    source = tmp_path / "tool.py"
+    source.write_text(
+        'HELP = "--drafter eagle3:PATH"\nMODES = ("eagle3-tree",)\nLOOKUP = f"ngram+{x}"\n'
+        'def f(mode):\n    return mode == "layerskip"\n'
+        '"""specjax.models.eagle3 reads an EAGLE-3 head; layerskip drafting; the n-gram size."""\n'
+    )
+    hits = spelled_drafter_names(source, {"eagle3", "ngram", "layerskip"})
+    assert sorted((line, kind) for line, kind, _ in hits) == [
+        (1, "eagle3"),
+        (2, "eagle3"),
+        (3, "ngram"),
+        (5, "layerskip"),
+    ]

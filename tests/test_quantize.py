@@ -12,17 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from drafters_fixture import drafter_cases
 
 import specjax.decoding.speculative as spec
 from specjax.cli.generate import entry
 from specjax.config import ModelConfig
 from specjax.decoding.autoregressive import generate as ar_generate
-from specjax.drafters import DFlashDrafter, Eagle3Drafter, LayerSkipDrafter
 from specjax.errors import InputError
 from specjax.io.loading import load_model
-from specjax.models.dflash import DFlashConfig, init_dflash
-from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import forward, init_weights, weight_bytes
 from specjax.models.quantize import CONTRACTED, LAYER_MATRICES, Int8Matrix, dequantize, quantize_weights
@@ -113,29 +110,18 @@ def test_int8_logits_move_as_the_rounding_predicts():
     assert bool((moved > 0).any())
 
 
-def dflash_drafter(cfg, target):
-    draft_cfg = DFlashConfig.default_for(cfg, mask_token_id=7, num_layers=1, block_size=4, target_layer_ids=(0,))
-    return DFlashDrafter.for_target(init_dflash(draft_cfg, jax.random.key(4), scale=0.3), draft_cfg, target)
+# The registered drafters that read the int8 target's arrays: its layers, its embedding, its LM head.
+READ_THE_TARGET = ("layerskip", "eagle3-chain", "dflash")
 
 
-DRAFTERS = {  # each reads the int8 target's arrays: its layers, its embedding, its LM head
-    "layerskip": lambda cfg, target: LayerSkipDrafter(target, cfg, 1),
-    "eagle3": lambda cfg, target: Eagle3Drafter.create(
-        Eagle3Head(Eagle3Config.default_for(cfg), rngs=nnx.Rngs(0)), target.embed
-    ),
-    "dflash": dflash_drafter,
-}
-
-
-@pytest.mark.parametrize("name", list(DRAFTERS))
+@pytest.mark.parametrize("name", READ_THE_TARGET)
 def test_speculative_greedy_on_an_int8_target_is_its_plain_greedy(name):
     cfg = dataclasses.replace(TIED, num_layers=4)  # EAGLE-3 taps three layers
     target = quantize_weights(init_weights(cfg, jax.random.key(5), scale=0.3))
     prompts = [[5, 6, 7], list(range(10, 31)), [42]]
     plain = ar_generate(target, cfg, prompts, max_new_tokens=12, eos_ids=())
-    out = spec.generate(
-        target, cfg, prompts, drafter=DRAFTERS[name](cfg, target), num_draft_tokens=3, max_new_tokens=12, eos_ids=()
-    )
+    drafter = drafter_cases()[name].build(target, cfg)
+    out = spec.generate(target, cfg, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=12, eos_ids=())
     assert [c.output_ids for c in out.completions] == [c.output_ids for c in plain.completions]
 
 

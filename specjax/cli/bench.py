@@ -1,7 +1,9 @@
 """specjax-bench: tokens/s of each decoding mode on one prompt set, all measured in the same run.
 
-Modes: `ar` (specjax autoregressive) and, where the `dev` extra (transformers + torch) is installed, the peer `hf`
-(HF transformers `generate` on the same weights). Writes a JSON file, a Markdown table and a PNG plot.
+Modes: `ar` (specjax autoregressive); where the `dev` extra (transformers + torch) is installed, the peers `hf` and
+`hf-pld` (HF transformers `generate` on the same weights, plain and with its prompt lookup); and a speculative mode for
+each registered drafter the bench's options can set (`speculative_modes`). Writes a JSON file, a Markdown table and
+a PNG plot.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ from specjax.decoding.autoregressive import generate
 from specjax.decoding.batch import compilation_summary, compilations, num_slots
 from specjax.decoding.engine import Engine
 from specjax.decoding.stats import SpecStats, acceptance
-from specjax.drafters import Drafter, LayerSkipDrafter
-from specjax.drafters.ngram import DEFAULT_NGRAM
+from specjax.drafters import LOOKUP_TOKENS_HELP, Drafter, DrafterEntry, entries
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.evalsets import chat_prompts, humaneval_prompts
@@ -210,40 +211,77 @@ class SpeculativeRunner:
         return [c.output_ids for c in out.completions], out.seconds, out.stats
 
 
-def drafter_spec(
-    mode: str, cfg: ModelConfig, ngram: int, draft_layers: int | None, eagle3: str | None, dflash: str | None
-) -> str:
-    """The `drafter_from_spec` spec of a speculative mode, from the bench's options."""
-    if mode in ("eagle3-chain", "eagle3-tree", "ngram+eagle3") and not eagle3:
-        raise InputError(f"mode {mode} needs an EAGLE-3 head folder: --eagle3 PATH")
-    if mode == "dflash" and not dflash:
-        raise InputError("mode dflash needs a DFlash draft folder: --dflash PATH")
-    return {
-        "ngram": f"ngram:{ngram}",
-        "layerskip": f"layerskip:{draft_layers or LayerSkipDrafter.default_layers(cfg)}",
-        "eagle3-chain": f"eagle3:{eagle3}",
-        "eagle3-tree": f"eagle3:{eagle3}",
-        "ngram+eagle3": f"ngram:{ngram}+eagle3:{eagle3}",
-        "dflash": f"dflash:{dflash}",
-    }[mode]
+@dataclasses.dataclass(frozen=True)
+class SpeculativeMode:
+    """A speculative mode: a registered drafter and, for one that wraps another (lookup first), the drafter it wraps,
+    drafting chains or (`tree`) trees. Its spec comes from the bench's options: `--NAME PATH` for a drafter that takes
+    a draft checkpoint, the entry's `BenchOption` otherwise."""
+
+    name: str
+    entry: DrafterEntry
+    fallback: DrafterEntry | None = None
+    tree: bool = False
+
+    @property
+    def drafters(self) -> tuple[DrafterEntry, ...]:
+        """The entries its spec names, the wrapping one first."""
+        return (self.entry, self.fallback) if self.fallback else (self.entry,)
+
+    def spec(self, cfg: ModelConfig, options: dict) -> str:
+        """The `drafter_from_spec` spec of this mode; raises InputError where a checkpoint it needs is not given."""
+        parts = []
+        for entry in self.drafters:
+            if entry.checkpoint is not None:
+                path = options[option_dest(entry)]
+                if not path:
+                    raise InputError(f"mode {self.name} needs {entry.checkpoint}: --{option_flag(entry)} PATH")
+                parts.append(f"{entry.kind}:{path}")
+            else:
+                parts.append(f"{entry.kind}:{entry.bench.arg(options[option_dest(entry)], cfg)}")
+        return "+".join(parts)
 
 
-def specjax_speculative(mode: str) -> Callable[..., SpeculativeRunner]:
+def option_flag(entry: DrafterEntry) -> str:
+    """The bench option that gives an entry's ARG: its name for a draft checkpoint, its `BenchOption` otherwise."""
+    return entry.name if entry.checkpoint is not None else entry.bench.flag
+
+
+def option_dest(entry: DrafterEntry) -> str:
+    return option_flag(entry).replace("-", "_")
+
+
+def speculative_modes() -> dict[str, SpeculativeMode]:
+    """The speculative modes, from the registered drafters that the bench's options can set (a draft checkpoint or a
+    `BenchOption`): NAME, or NAME-chain and NAME-tree for a drafter that drafts trees; and for one that wraps another,
+    NAME+FALLBACK over each drafter of a draft checkpoint."""
+    benched = [e for e in entries() if e.checkpoint is not None or e.bench is not None]
+    modes = {}
+    for entry in benched:
+        if entry.wraps:
+            for fallback in benched:
+                if fallback.checkpoint is not None and not fallback.wraps:
+                    modes[entry.name + fallback.name] = SpeculativeMode(entry.name + fallback.name, entry, fallback)
+        elif entry.trees:
+            for shape in ("chain", "tree"):
+                modes[f"{entry.name}-{shape}"] = SpeculativeMode(f"{entry.name}-{shape}", entry, tree=shape == "tree")
+        else:
+            modes[entry.name] = SpeculativeMode(entry.name, entry)
+    return modes
+
+
+def specjax_speculative(mode: SpeculativeMode) -> Callable[..., SpeculativeRunner]:
     """Speculative decoding with the drafter of `mode`, set up by `specjax.prepare.prepare_decoding`."""
 
     def prepare(model: LoadedModel, sampling: SamplingConfig, eos: tuple[int, ...], batch_size: int, **options):
-        tree = (options["tree"] or DEFAULT_TREE) if mode == "eagle3-tree" else None
-        spec = drafter_spec(
-            mode, model.cfg, options["ngram"], options["draft_layers"], options["eagle3"], options["dflash"]
-        )
+        tree = (options["tree"] or DEFAULT_TREE) if mode.tree else None
         k = TreeSpec.parse(tree).depth if tree is not None else options["num_draft_tokens"]  # a tree's round is its own
         decoding = prepare_decoding(
             model,
             dataclasses.replace(
                 options["decode"],
-                drafter=spec,
+                drafter=mode.spec(model.cfg, options),
                 num_draft_tokens="auto" if options["auto"] else k,
-                lookup_tokens=options["lookup_tokens"] if mode == "ngram+eagle3" else None,
+                lookup_tokens=options["lookup_tokens"] if mode.entry.wraps else None,
                 tree=tree,
             ),
         )
@@ -263,28 +301,28 @@ def specjax_speculative(mode: str) -> Callable[..., SpeculativeRunner]:
     return prepare
 
 
-MODES: dict[str, Callable[..., Runner]] = {
-    "ar": specjax_ar,
+# Peers: HF transformers' generate, plain and with its prompt lookup; their prefill is not specjax's.
+PEER_MODES: dict[str, Callable[..., Runner]] = {
     "hf": hf_generate,
     "hf-pld": lambda model, sampling, eos, batch_size: hf_generate(model, sampling, eos, batch_size, prompt_lookup=5),
-    "ngram": specjax_speculative("ngram"),
-    "layerskip": specjax_speculative("layerskip"),
-    "eagle3-chain": specjax_speculative("eagle3-chain"),
-    "eagle3-tree": specjax_speculative("eagle3-tree"),
-    "ngram+eagle3": specjax_speculative("ngram+eagle3"),
-    "dflash": specjax_speculative("dflash"),
 }
-DEFAULT_TREE = "5,3,10"  # the eagle3-tree mode's tree
-SPECULATIVE_MODES = ("ngram", "layerskip", "eagle3-chain", "eagle3-tree", "ngram+eagle3", "dflash")
-OLD_SPELLINGS = {"ngram-eagle3": "ngram+eagle3"}  # still read, with a warning
+PEERS = tuple(PEER_MODES)
+DEFAULT_TREE = "5,3,10"  # the tree modes' tree
+
+
+def mode_names() -> list[str]:
+    """Every mode --modes takes without a variant."""
+    return ["ar", *PEERS, *speculative_modes()]
 
 
 def respelled(mode: str) -> str:
-    """A --modes entry in the current spelling (lookup first is `ngram+eagle3`, as `ngram+SPEC` in generate)."""
+    """A --modes entry in the current spelling: a mode whose drafter wraps another is NAME+FALLBACK, as its spec in
+    generate; the old NAME-FALLBACK is still read, with a warning."""
     base, sep, variant = mode.partition(":")
-    if base not in OLD_SPELLINGS:
+    old = {name.replace("+", "-"): name for name, m in speculative_modes().items() if m.fallback is not None}
+    if base not in old:
         return mode
-    new = OLD_SPELLINGS[base] + sep + variant
+    new = old[base] + sep + variant
     print(f"specjax-bench: mode {mode!r} is now spelled {new!r}", file=sys.stderr)
     return new
 
@@ -293,22 +331,21 @@ def parse_mode(mode: str) -> tuple[str, int | str | None]:
     """(mode, its drafting) of a --modes entry: `MODE`; `MODE:auto`, adaptive; `MODE:K`, a chain mode with its own
     K (so one run compares several)."""
     base, _, variant = mode.partition(":")
-    if base in MODES and not variant:
+    speculative = speculative_modes()
+    if base in mode_names() and not variant:
         return base, None
-    if base in SPECULATIVE_MODES and variant == "auto":
+    if base in speculative and variant == "auto":
         return base, "auto"
-    if base in SPECULATIVE_MODES and base != "eagle3-tree" and variant.isdigit() and int(variant) > 0:
+    if base in speculative and not speculative[base].tree and variant.isdigit() and int(variant) > 0:
         return base, int(variant)
     raise InputError(
-        f"unknown mode {mode!r}; choose from {', '.join(MODES)}, a speculative one with ':auto', or a chain one with "
-        "':K' (e.g. ngram:3)"
+        f"unknown mode {mode!r}; choose from {', '.join(mode_names())}, a speculative one with ':auto', or a chain one "
+        f"with ':K' (e.g. {next(name for name, m in speculative.items() if not m.tree)}:3)"
     )
 
 
 # Peers that draft: their forwards per token are not known here.
 UNCOUNTED_FORWARDS = ("hf-pld",)
-# Peers: their prefill is not specjax's.
-PEERS = ("hf", "hf-pld")
 PROMPT_SETS = {
     "humaneval": humaneval_prompts,
     "chat": chat_prompts,
@@ -559,15 +596,39 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def add_drafter_options(p: cli.ArgumentParser) -> None:
+    """The options that give the speculative modes' drafters their ARG: `--NAME PATH` for a drafter that takes a
+    draft checkpoint, the entry's `BenchOption` otherwise (one option for the entries that share it)."""
+    users: dict[str, tuple[DrafterEntry, list[str]]] = {}
+    for mode in speculative_modes().values():
+        for entry in mode.drafters:
+            users.setdefault(option_flag(entry), (entry, []))[1].append(mode.name)
+    for flag, (entry, modes) in users.items():
+        used_by = f"{', '.join(modes)} mode{'s' if len(modes) > 1 else ''}"
+        if entry.checkpoint is not None:
+            p.add_argument(f"--{flag}", default=None, help=f"{used_by}: {entry.checkpoint}, Hub repo or built-in name")
+        else:
+            option = entry.bench
+            p.add_argument(f"--{flag}", type=cli.integer, default=option.default, help=f"{used_by}: {option.help}")
+
+
+def drafter_options(args) -> dict:
+    """The values of `add_drafter_options`' options, by their names (as the JSON report's config names them)."""
+    dests = {option_dest(entry) for mode in speculative_modes().values() for entry in mode.drafters}
+    return {dest: getattr(args, dest) for dest in sorted(dests)}
+
+
 def parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="specjax-bench", description=__doc__)
     cli.add_model_args(p, batch_default="1")
     cli.add_sampling_args(p)
+    chain = next(name for name, mode in speculative_modes().items() if not mode.tree)
     p.add_argument(
         "--modes",
         default="ar,hf",
-        help=f"comma-separated, from: {', '.join(MODES)}; a speculative mode with ':auto' (e.g. ngram:auto) drafts "
-        "adaptively; a chain mode with ':K' (e.g. ngram:2) drafts its own fixed K, so one run compares several",
+        help=f"comma-separated, from: {', '.join(mode_names())}; a speculative mode with ':auto' (e.g. {chain}:auto) "
+        f"drafts adaptively; a chain mode with ':K' (e.g. {chain}:2) drafts its own fixed K, so one run compares "
+        "several",
     )
     p.add_argument(
         "--num-draft-tokens",
@@ -575,21 +636,10 @@ def parser() -> cli.ArgumentParser:
         default=cli.DEFAULT_DRAFT_TOKENS,
         help="K for the chain modes; 'auto': every speculative mode drafts adaptively (specjax.adaptive)",
     )
-    p.add_argument(
-        "--ngram", type=cli.integer, default=DEFAULT_NGRAM, help="n-gram size of the ngram and ngram+eagle3 modes"
-    )
-    p.add_argument(
-        "--lookup-tokens",
-        type=cli.integer,
-        default=None,
-        help="ngram+eagle3: tokens the lookup proposes (default K); the head still drafts K",
-    )
-    p.add_argument(
-        "--draft-layers", type=cli.integer, default=None, help="layers of the layerskip drafter (default L/4)"
-    )
-    p.add_argument("--eagle3", default=None, help="EAGLE-3 head for the eagle3-chain, eagle3-tree, ngram+eagle3 modes")
-    p.add_argument("--tree", default=None, help=f"depth,topk,budget of the eagle3-tree mode (default {DEFAULT_TREE})")
-    p.add_argument("--dflash", default=None, help="DFlash draft folder for the dflash mode")
+    add_drafter_options(p)
+    p.add_argument("--lookup-tokens", type=cli.integer, default=None, help=LOOKUP_TOKENS_HELP)
+    trees = [name for name, mode in speculative_modes().items() if mode.tree]
+    p.add_argument("--tree", default=None, help=f"{', '.join(trees)}: depth,topk,budget (default {DEFAULT_TREE})")
     p.add_argument(
         "--prompt-set",
         choices=tuple(PROMPT_SETS),
@@ -634,7 +684,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sampling = cli.sampling_from_args(args)
     modes = [respelled(m.strip()) for m in args.modes.split(",") if m.strip()]
     if not modes:
-        raise InputError(f"--modes is empty; choose from {', '.join(MODES)}")
+        raise InputError(f"--modes is empty; choose from {', '.join(mode_names())}")
     drafting = {mode: parse_mode(mode) for mode in modes}
     for name in ("--max-new-tokens", "--batch-size", "--num-prompts", "--repeats", "--prefill-chunk"):
         cli.check_positive(name, getattr(args, name[2:].replace("-", "_")))
@@ -668,13 +718,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     prepare_decoding(model, decode)
     options = dict(
+        drafter_options(args),
         num_draft_tokens=args.num_draft_tokens,
-        ngram=args.ngram,
         lookup_tokens=args.lookup_tokens,
-        draft_layers=args.draft_layers,
-        eagle3=args.eagle3,
         tree=args.tree,
-        dflash=args.dflash,
         decode=decode,
         prefill_chunk=args.prefill_chunk,
     )
@@ -683,11 +730,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         base, variant = drafting[mode]
         if base == "ar":
             return specjax_ar(model, sampling, eos, batch_size, args.prefill_chunk)
-        if base not in SPECULATIVE_MODES:
-            return MODES[base](model, sampling, eos, batch_size)
+        if base in PEER_MODES:
+            return PEER_MODES[base](model, sampling, eos, batch_size)
         k = variant if isinstance(variant, int) else options["num_draft_tokens"]
         chosen = dict(options, num_draft_tokens=k, auto=variant == "auto")
-        return MODES[base](model, sampling, eos, batch_size, **chosen)
+        return specjax_speculative(speculative_modes()[base])(model, sampling, eos, batch_size, **chosen)
 
     runners = {}
     for i, mode in enumerate(modes, 1):
@@ -739,12 +786,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "quantize": args.quantize,
         "date": time.strftime("%Y-%m-%d"),
         "num_draft_tokens": args.num_draft_tokens,
-        "ngram": args.ngram,
+        **drafter_options(args),
         "lookup_tokens": args.lookup_tokens,
-        "draft_layers": args.draft_layers,
-        "eagle3": args.eagle3,
         "tree": args.tree or DEFAULT_TREE,
-        "dflash": args.dflash,
         "prefill_chunk": chunk_size(args.prefill_chunk),
         "attention": args.attention,
         "attention_path": attention_path(args.attention),

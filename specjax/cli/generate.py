@@ -18,7 +18,7 @@ from specjax.decoding.autoregressive import generate
 from specjax.decoding.batch import compilation_summary, compilations
 from specjax.decoding.engine import Engine
 from specjax.decoding.stats import acceptance
-from specjax.drafters import SPEC_HELP
+from specjax.drafters import LOOKUP_TOKENS_HELP, spec_help, tree_specs
 from specjax.errors import InputError
 from specjax.host import device_memory, status
 from specjax.models.attention import attention_path
@@ -32,7 +32,7 @@ def parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="specjax-generate", description=__doc__)
     cli.add_model_args(p)
     cli.add_sampling_args(p)
-    p.add_argument("--drafter", default="none", help=f"speculative drafter: {SPEC_HELP}")
+    p.add_argument("--drafter", default="none", help=f"speculative drafter: {spec_help()}")
     p.add_argument(
         "--num-draft-tokens",
         type=cli.draft_tokens,
@@ -44,7 +44,7 @@ def parser() -> cli.ArgumentParser:
         "--lookup-tokens",
         type=cli.integer,
         default=None,
-        help="with --drafter ngram+SPEC: tokens the lookup proposes (default K); SPEC still drafts K",
+        help=LOOKUP_TOKENS_HELP,
     )
     p.add_argument(
         "--compare-ar",
@@ -55,7 +55,8 @@ def parser() -> cli.ArgumentParser:
         "--tree",
         default=None,
         metavar="DEPTH,TOPK,BUDGET",
-        help="with --drafter eagle3:PATH: draft a dynamic tree (BUDGET nodes including the root) instead of a chain",
+        help=f"with --drafter {tree_specs()}: draft a dynamic tree (BUDGET nodes including the root) instead of a "
+        "chain",
     )
     p.add_argument(
         "--num-samples",

@@ -10,7 +10,7 @@ import uvicorn
 from specjax.cli import common as cli
 from specjax.config import SamplingConfig
 from specjax.decoding.engine import Engine
-from specjax.drafters import SPEC_HELP
+from specjax.drafters import spec_help, tree_specs
 from specjax.errors import InputError
 from specjax.host import status
 from specjax.models.attention import attention_path
@@ -21,14 +21,14 @@ from specjax.serving import build_app
 def parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="specjax-serve", description=__doc__)
     cli.add_model_args(p, batch_default="8")
-    p.add_argument("--drafter", default="none", help=f"speculative drafter: {SPEC_HELP}")
+    p.add_argument("--drafter", default="none", help=f"speculative drafter: {spec_help()}")
     p.add_argument(
         "--num-draft-tokens",
         type=cli.draft_tokens,
         default="auto",
         help="K, draft tokens per round (with --drafter); 'auto': adaptive drafting from this machine's costs",
     )
-    p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,BUDGET", help="with --drafter eagle3:PATH: a tree")
+    p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,BUDGET", help=f"with --drafter {tree_specs()}: a tree")
     p.add_argument(
         "--max-context",
         type=cli.integer,

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.drafters.base import ChainDrafter, Traits, draw, pending_tokens
+from specjax.drafters.entry import DrafterEntry, DraftTarget
 from specjax.errors import InputError
 from specjax.models.attention import slots_below
 from specjax.models.dflash import (
@@ -27,6 +28,7 @@ from specjax.models.dflash import (
     block_inputs,
     context_kv,
     draft_logits,
+    init_dflash,
     scored_head,
     weight_specs_of,
 )
@@ -117,3 +119,27 @@ def load_dflash_drafter(path: str, target_cfg: ModelConfig, target_weights: Any)
             place(dataclasses.replace(weights, vocab_ids=None), weight_specs_of(cfg), mesh), vocab_ids=vocab_ids
         )
     return DFlashDrafter.for_target(weights, cfg, target_weights)
+
+
+def random_dflash_drafter(target: DraftTarget, seed: int) -> DFlashDrafter:
+    """An untrained one-layer draft for the target, in blocks of 8 (7 drafts a round), reading its middle layer (the
+    first of a 2-layer target: never the last); its mask token is the target's last id."""
+    n = target.cfg.num_layers
+    cfg = DFlashConfig.default_for(
+        target.cfg,
+        mask_token_id=target.cfg.vocab_size - 1,
+        block_size=8,
+        target_layer_ids=(min(n // 2, max(n - 2, 0)),),
+    )
+    weights = init_dflash(cfg, jax.random.key(seed), dtype=target.weights.embed.dtype, scale=0.3)
+    return DFlashDrafter.for_target(weights, cfg, target.weights)
+
+
+DFLASH = DrafterEntry(
+    "dflash",
+    "dflash:PATH",
+    "a DFlash draft folder or Hub repo ORG/NAME[@REVISION], or dflash:smollm2-135m for the built-in draft",
+    build=lambda folder, target: load_dflash_drafter(folder, target.cfg, target.weights),
+    example=random_dflash_drafter,
+    checkpoint="a DFlash draft folder",
+)

@@ -18,15 +18,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from specjax.config import ModelConfig
 from specjax.drafters.base import ChainDrafter, Traits, draw, pending_tokens, static_field
+from specjax.drafters.entry import DrafterEntry, DraftTarget
 from specjax.drafters.tree import DraftTree, TreeSpec, grow_tree
 from specjax.errors import InputError
 from specjax.models.attention import slots_below
-from specjax.models.eagle3 import Eagle3Head
+from specjax.models.eagle3 import NORMS, Eagle3Config, Eagle3Head, param_specs
 from specjax.models.kv_cache import KVCache
 from specjax.models.quantize import Int8Matrix, embed_rows
 from specjax.sampling import Sampling, split_rows
@@ -268,3 +270,31 @@ def load_eagle3_drafter(
     drafter = Eagle3Drafter.create(head, target_embed, tree)
     drafter.validate(target_cfg, 1)
     return drafter
+
+
+def random_eagle3_drafter(target: DraftTarget, seed: int) -> Eagle3Drafter:
+    """An untrained head shaped for the target (one target layer wide, the default taps where the target has the
+    three layers they need, else every layer), sharing its embedding: matrices normal(0, 0.05) from NumPy (a JAX
+    init would compile a kernel per shape), norms 1; drafting the target's tree where it has one."""
+    cfg = target.cfg
+    taps = None if cfg.num_layers >= 3 else tuple(range(cfg.num_layers))
+    head_cfg = Eagle3Config.default_for(cfg, tap_layers=taps)
+    rng = np.random.default_rng(seed)
+    weights = {
+        name: np.ones(spec.shape, np.float32) if name in NORMS else 0.05 * rng.standard_normal(spec.shape, np.float32)
+        for name, spec in param_specs(head_cfg).items()
+    }
+    head = Eagle3Head(head_cfg, dtype=target.weights.embed.dtype, weights=weights)
+    return Eagle3Drafter.create(head, target.weights.embed, target.tree)
+
+
+EAGLE3 = DrafterEntry(
+    "eagle3",
+    "eagle3:PATH",
+    "an EAGLE-3 head folder or Hub repo ORG/NAME[@REVISION], or eagle3:smollm2-135m for the built-in head; with "
+    "--tree for tree drafting",
+    build=lambda folder, target: load_eagle3_drafter(folder, target.cfg, target.weights.embed, target.tree),
+    example=random_eagle3_drafter,
+    trees=True,
+    checkpoint="an EAGLE-3 head folder",
+)

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.drafters.base import ChainDrafter, Traits, draw, static_field
+from specjax.drafters.entry import BenchOption, DrafterEntry, DraftTarget, integer
 from specjax.errors import InputError
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import Weights, chunk_size, chunked_prefill, forward
+from specjax.models.llama import Weights, chunk_size, chunked_prefill, forward, init_weights
 from specjax.sampling import Sampling, split_rows
 
 
@@ -144,3 +145,45 @@ class LayerSkipDrafter(ChainDrafter):
             state.weights, self.draft_cfg, state.cache, tokens_bs, length_b, keys_b, num_draft_tokens, sampling
         )
         return tokens, probs, dataclasses.replace(state, cache=cache)
+
+
+def _draft_model(path: str, target: DraftTarget) -> ModelDrafter:
+    if not path or target.load is None:
+        raise InputError(
+            "model drafting needs a checkpoint: model:PATH (a .gguf file, HF folder, Hub repo or built-in name)"
+        )
+    draft_cfg, draft_weights = target.load(path)
+    drafter = ModelDrafter(draft_weights, draft_cfg)
+    drafter.validate(target.cfg, 1)
+    return drafter
+
+
+def _layer_count(arg: str, cfg: ModelConfig) -> int:
+    if not arg:
+        raise InputError(f"layerskip needs a layer count, e.g. layerskip:{LayerSkipDrafter.default_layers(cfg)}")
+    return integer(arg, "the layer-skip layer count")
+
+
+MODEL = DrafterEntry(
+    "model",
+    "model:PATH",
+    "",
+    build=_draft_model,
+    example=lambda target, seed: ModelDrafter(
+        init_weights(target.cfg, jax.random.key(seed), target.weights.embed.dtype, scale=0.3), target.cfg
+    ),
+)
+LAYER_SKIP = DrafterEntry(
+    "layerskip",
+    "layerskip:N",
+    "first N layers",
+    build=lambda n, target: LayerSkipDrafter(target.weights, target.cfg, n),
+    example=lambda target, seed: LayerSkipDrafter(target.weights, target.cfg, 1),
+    parse=_layer_count,
+    bench=BenchOption(
+        "draft-layers",
+        "the target's first layers it drafts with (default: a quarter of them)",
+        None,
+        lambda n, cfg: str(n or LayerSkipDrafter.default_layers(cfg)),
+    ),
+)

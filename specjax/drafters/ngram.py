@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.drafters.base import ChainDrafter, Drafter, Traits
+from specjax.drafters.entry import BenchOption, DrafterEntry, integer
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 
@@ -184,9 +185,40 @@ def with_lookup_tokens(drafter: Any, num_draft_tokens: int, lookup_tokens: int |
         return drafter, num_draft_tokens
     if not isinstance(drafter, LookupFirstDrafter):
         raise InputError(
-            "{lookup_tokens} applies to lookup-first drafting only (ngram+SPEC; bench: ngram+eagle3)",
+            "{lookup_tokens} applies to lookup-first drafting only (ngram[:N]+SPEC)",
             settings={"lookup_tokens": None},
         )
     if lookup_tokens < 1:
         raise InputError(f"{{lookup_tokens}} must be >= 1, got {lookup_tokens}", settings={"lookup_tokens": None})
     return dataclasses.replace(drafter, fallback_tokens=num_draft_tokens), max(num_draft_tokens, lookup_tokens)
+
+
+LOOKUP_TOKENS_HELP = (
+    "with lookup-first drafting (ngram[:N]+SPEC): tokens the lookup proposes (default K); SPEC still drafts K"
+)
+
+
+def _ngram_size(arg: str, cfg: ModelConfig) -> int:
+    return integer(arg, "the n-gram size") if arg else DEFAULT_NGRAM
+
+
+_NGRAM_OPTION = BenchOption("ngram", "n-gram size", DEFAULT_NGRAM)
+
+NGRAM = DrafterEntry(
+    "ngram",
+    "ngram[:N]",
+    f"N = longest n-gram, default {DEFAULT_NGRAM}",
+    build=lambda n, target: NgramDrafter(max_n=n),
+    example=lambda target, seed: NgramDrafter(max_n=2),
+    parse=_ngram_size,
+    bench=_NGRAM_OPTION,
+)
+LOOKUP_FIRST = DrafterEntry(
+    "ngram+",
+    "ngram[:N]+SPEC",
+    "prompt lookup where the last N tokens recur, the chain drafter SPEC elsewhere",
+    build=lambda n, target: LookupFirstDrafter(target.fallback, n=n),
+    example=lambda target, seed: LookupFirstDrafter(target.fallback, n=2),
+    parse=_ngram_size,
+    bench=_NGRAM_OPTION,
+)

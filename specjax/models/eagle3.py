@@ -137,12 +137,15 @@ class Eagle3Config:
         return self.target_hidden_size != self.hidden_size
 
     @classmethod
-    def default_for(cls, target_cfg: ModelConfig, draft_vocab_size: int | None = None) -> Eagle3Config:
-        """A head shaped like one layer of the target (width, heads, MLP, RoPE), with the default tap layers.
+    def default_for(
+        cls, target_cfg: ModelConfig, draft_vocab_size: int | None = None, tap_layers: tuple[int, ...] | None = None
+    ) -> Eagle3Config:
+        """A head shaped like one layer of the target (width, heads, MLP, RoPE).
 
         Args:
           target_cfg: the target model's config.
           draft_vocab_size: Vd; None keeps the full target vocabulary.
+          tap_layers: the target layers it reads; None: the default taps (`default_tap_layers`).
         Returns:
           The head config.
         """
@@ -150,6 +153,7 @@ class Eagle3Config:
             **{name: getattr(target_cfg, name) for name in LAYER_FIELDS},
             draft_vocab_size=target_cfg.vocab_size if draft_vocab_size is None else draft_vocab_size,
             target_num_layers=target_cfg.num_layers,
+            tap_layers=tap_layers,
         )
 
     @classmethod
