@@ -2,8 +2,8 @@
 checked before anything compiles.
 
 `prepare_decoding` runs the sequence every decoding tool needs (specjax-generate, specjax-bench, specjax-serve):
-build the drafter of the spec (a `model:PATH` draft is loaded beside the target: `draft_loader`), fix or check the
-K its rounds verify, plan the run's memory and refuse a plan the device cannot hold, then, for
+build the drafter of the spec (a draft that is a whole model is loaded beside the target: `draft_loader`), fix or
+check the K its rounds verify, plan the run's memory and refuse a plan the device cannot hold, then, for
 `num_draft_tokens="auto"`, calibrate the adaptive menu on this machine (`specjax.measure.calibration`, cached). Its
 errors advise in the config's terms (`num_draft_tokens=...`, `mesh=...`); a command line respells them as its flags
 (`specjax.errors.SpecjaxError.spelled`).
@@ -93,8 +93,8 @@ class Decoding:
 
 
 def draft_loader(model: LoadedModel) -> Callable[[str], tuple[ModelConfig, Weights]]:
-    """The `load` of `drafter_from_spec` for a `model:PATH` draft: loaded beside the target, in its dtype, on its
-    mesh, with its attention path."""
+    """The `load` of `drafter_from_spec` for a draft that is a whole model: loaded beside the target, in its dtype, on
+    its mesh, with its attention path."""
 
     def load(path: str) -> tuple[ModelConfig, Weights]:
         draft = load_model(path, model.weights.embed.dtype, mesh_of(model.weights), attention=model.cfg.attention)

@@ -180,7 +180,7 @@ def test_drafter_from_spec():
             drafter_from_spec(spec, WEIGHTS, CFG, load=lambda path: (CFG, WEIGHTS))
     with pytest.raises(InputError, match="vocabulary"):
         drafter_from_spec("model:x", WEIGHTS, CFG, load=lambda path: (other, init_weights(other, jax.random.key(0))))
-    with pytest.raises(InputError, match="drop tree$"):
+    with pytest.raises(InputError, match="drafts chains: drop tree, "):
         drafter_from_spec("ngram+eagle3:x", WEIGHTS, CFG, tree=TreeSpec(3, 2, 4))
 
 
