@@ -9,7 +9,7 @@ from specjax.adaptive import Adaptive, Fixed
 from specjax.config import ModelConfig, RopeScaling, SamplingConfig
 from specjax.decoding.autoregressive import GenerateResult, generate
 from specjax.decoding.batch import Completion
-from specjax.decoding.speculative import generate as speculative_generate
+from specjax.decoding.speculative import speculative_generate
 from specjax.decoding.stats import SpecResult, SpecStats
 from specjax.drafters import ChainDrafter, Drafter, TreeSpec, drafter_from_spec
 from specjax.errors import CheckpointError, InputError, SpecjaxError, UnsupportedModelError

@@ -275,7 +275,7 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, default_max
         except InputError as e:
             raise BadRequest(str(e), param="messages" if chat else "prompt") from None
 
-    async def complete(request: Request, chat: bool) -> Response:
+    async def respond(request: Request, chat: bool) -> Response:
         try:
             body = await body_of(request)
             params = params_of(body, default_max_tokens)
@@ -357,10 +357,10 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, default_max
         return JSONResponse({**head, "choices": [choice("".join(parts), finish, False)], "usage": usage()})
 
     async def completions(request: Request) -> Response:
-        return await complete(request, chat=False)
+        return await respond(request, chat=False)
 
     async def chat_completions(request: Request) -> Response:
-        return await complete(request, chat=True)
+        return await respond(request, chat=True)
 
     async def models(request: Request) -> Response:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "specjax"}

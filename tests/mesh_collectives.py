@@ -51,10 +51,14 @@ def main(root: Path) -> None:
     found = {
         "plain": collectives(lambda: generate(model.weights, model.cfg, prompts, **kw)),
         "chain": collectives(
-            lambda: speculative.generate(model.weights, model.cfg, prompts, drafter=chain, num_draft_tokens=3, **kw)
+            lambda: speculative.speculative_generate(
+                model.weights, model.cfg, prompts, drafter=chain, num_draft_tokens=3, **kw
+            )
         ),
         "tree": collectives(
-            lambda: speculative.generate(model.weights, model.cfg, prompts, drafter=tree, num_draft_tokens=3, **kw)
+            lambda: speculative.speculative_generate(
+                model.weights, model.cfg, prompts, drafter=tree, num_draft_tokens=3, **kw
+            )
         ),
     }
     head = chain.head

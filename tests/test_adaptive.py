@@ -36,7 +36,7 @@ MENU = (0, 1, 2, 3, 5)
 
 
 def run(cost, prompts=PROMPTS, prior=0.6, sampling=SamplingConfig(), seed=0):
-    return spec.generate(
+    return spec.speculative_generate(
         WEIGHTS,
         CFG,
         prompts,
@@ -107,7 +107,7 @@ def test_where_drafting_cannot_pay_at_the_prior_plain_decoding_runs_instead_of_t
 
 def test_a_menu_of_plain_steps_alone_is_plain_decoding(ar_batch):
     """Calibration keeps only plain steps where drafting never pays: plain decoding then runs."""
-    result = spec.generate(
+    result = spec.speculative_generate(
         WEIGHTS,
         CFG,
         PROMPTS,
@@ -127,7 +127,7 @@ def test_the_choice_follows_the_measured_acceptance():
     menu = Adaptive.of((1, 2, 3, 5), [1.25, 1.45, 1.6, 2.0])
 
     def favourite(draft_weights):
-        result = spec.generate(
+        result = spec.speculative_generate(
             WEIGHTS,
             CFG,
             PROMPTS,
@@ -271,7 +271,9 @@ def test_the_loop_counts_the_depths_it_tried_and_accepted():
     loop's counts agree with its histogram of accepted drafts."""
     kw = dict(drafter=NgramDrafter(max_n=2), max_new_tokens=MAX_NEW, eos_ids=())
     for entry, k in ((1, 1), (3, 3)):
-        stats = spec.generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=Adaptive.forcing(MENU, entry, 3), **kw).stats
+        stats = spec.speculative_generate(
+            WEIGHTS, CFG, PROMPTS, num_draft_tokens=Adaptive.forcing(MENU, entry, 3), **kw
+        ).stats
         hist = stats.accepted_histogram
         accepted, tried = np.sum(stats.acceptance_evidence, axis=0)
         assert len(stats.acceptance_evidence) == 3 and sum(hist) >= stats.rounds > 0  # rows still running
@@ -304,10 +306,10 @@ def test_the_prior_and_the_track_record_learn_from_earlier_calls_without_compili
 
     kw = dict(drafter=NgramDrafter(max_n=2), max_new_tokens=MAX_NEW, eos_ids=())
     menu = Adaptive.of(MENU, [1, 1.25, 1.45, 1.6, 2.0], regimes=3)
-    first = spec.generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=menu, **kw)
+    first = spec.speculative_generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=menu, **kw)
     menu = menu.learn(first.stats)
     assert not np.allclose(menu.prior, 0.6)
-    second = spec.generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=menu, **kw)
+    second = spec.speculative_generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=menu, **kw)
     assert second.compile_seconds == 0 and [c.output_ids for c in second.completions] == ar_batch
 
     wrong = ModelDrafter(init_weights(CFG, jax.random.key(1), scale=0.3), CFG)  # an unrelated model
@@ -315,7 +317,7 @@ def test_the_prior_and_the_track_record_learn_from_earlier_calls_without_compili
     assert not adaptive_mod.drafting_never_pays(menu, [1, 2])
     for _ in range(3):
         menu = menu.learn(
-            spec.generate(
+            spec.speculative_generate(
                 WEIGHTS, CFG, PROMPTS, drafter=wrong, num_draft_tokens=menu, max_new_tokens=MAX_NEW, eos_ids=()
             ).stats
         )
@@ -326,7 +328,10 @@ def test_calibration_times_each_entry_alone_in_the_loop_decoding_compiles(monkey
     """`Adaptive.forcing` prices out every entry but one; the costs are data, so one executable runs each entry."""
     monkeypatch.setattr(Adaptive, "never_drafts", lambda *args: False)  # the forced plain step runs in the loop too
     kw = dict(drafter=NgramDrafter(max_n=2), max_new_tokens=MAX_NEW, eos_ids=())
-    results = [spec.generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=Adaptive.forcing(MENU, e), **kw) for e in range(5)]
+    results = [
+        spec.speculative_generate(WEIGHTS, CFG, PROMPTS, num_draft_tokens=Adaptive.forcing(MENU, e), **kw)
+        for e in range(5)
+    ]
     for k, result in zip(MENU, results):
         assert result.stats.rounds_by_drafts[k] == result.stats.rounds > 0
         assert sum(result.stats.rounds_by_drafts.values()) == result.stats.rounds
@@ -431,7 +436,7 @@ def test_costs_cached_10x_too_high_still_draft_in_the_first_call_and_move_toward
     record.write_text(json.dumps(measured))
     menu = calibrated(WEIGHTS, CFG, drafter, 5, **kw)
     assert menu.menu == honest.menu and menu.cost[-1] > 5 * honest.cost[-1]
-    out = spec.generate(
+    out = spec.speculative_generate(
         WEIGHTS, CFG, PROMPTS, drafter=drafter, num_draft_tokens=menu, max_new_tokens=MAX_NEW, eos_ids=()
     )
     assert sum(r for k, r in out.stats.rounds_by_drafts.items() if k) > 0  # drafted

@@ -106,7 +106,7 @@ def test_greedy_batch_identical_to_autoregressive(mode, runs, ar_batch):
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_greedy_batch_of_one_identical_to_autoregressive(mode, ar_batch):
     d = drafter(TREE if mode == "tree" else None)
-    result = spec.generate(
+    result = spec.speculative_generate(
         WEIGHTS, CFG, PROMPTS[1:2], drafter=d, num_draft_tokens=K, max_new_tokens=MAX_NEW, eos_ids=()
     )
     assert outputs(result) == ar_batch[1:2]
@@ -118,7 +118,9 @@ def test_small_vocabulary_greedy_accepts_and_stays_identical(mode):
     prompts = [[1, 2, 3], [4, 5, 6, 7, 0, 1], [2]]
     ar = outputs(ar_generate(SMALL_WEIGHTS, SMALL, prompts, max_new_tokens=24, eos_ids=()))
     d = drafter(TreeSpec(4, 2, 10) if mode == "tree" else None, constant_head(), SMALL_WEIGHTS)
-    result = spec.generate(SMALL_WEIGHTS, SMALL, prompts, drafter=d, num_draft_tokens=K, max_new_tokens=24, eos_ids=())
+    result = spec.speculative_generate(
+        SMALL_WEIGHTS, SMALL, prompts, drafter=d, num_draft_tokens=K, max_new_tokens=24, eos_ids=()
+    )
     assert outputs(result) == ar
     hist = result.stats.accepted_histogram
     assert sum(hist[3:]) > 0 and hist[0] > 0  # 3+ drafts accepted in some row-rounds, none in others
@@ -205,7 +207,7 @@ def empirical_joint(d, max_new=3, sampling=SamplingConfig(temperature=1.0)):
     V = SMALL.vocab_size
     counts = np.zeros((V, V, V))
     for seed in range(DIST_SEEDS):
-        result = spec.generate(
+        result = spec.speculative_generate(
             SMALL_WEIGHTS,
             SMALL,
             [DIST_PROMPT] * DIST_ROWS,
@@ -257,7 +259,7 @@ def test_tree_rows_with_mixed_settings_each_match_their_target_distribution():
     V = SMALL.vocab_size
     counts = np.zeros((2, V, V, V))
     for seed in range(2 * DIST_SEEDS):  # as many samples per setting as the single-setting test
-        result = spec.generate(
+        result = spec.speculative_generate(
             SMALL_WEIGHTS,
             SMALL,
             [DIST_PROMPT] * DIST_ROWS,
@@ -283,7 +285,7 @@ def test_sampled_tree_rows_are_the_same_alone_as_in_a_batch():
 
     def run(prompts, seeds):
         return outputs(
-            spec.generate(
+            spec.speculative_generate(
                 SMALL_WEIGHTS,
                 SMALL,
                 prompts,

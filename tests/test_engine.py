@@ -77,7 +77,7 @@ def test_greedy_output_through_refilled_slots_equals_each_prompt_alone(case):
 @pytest.mark.parametrize("name", ["plain", "eagle3-tree"])
 def test_a_seeded_request_samples_the_same_tokens_whoever_shares_the_slots(name):
     """Temperature 1 (the tree's drafts sampled too): each request's tokens, by its own seed, are those it gets
-    alone: from `speculative.generate([prompt], seed=[seed])` with the drafter (the same loop, no engine), from a
+    alone: from `speculative_generate([prompt], seed=[seed])` with the drafter (the same loop, no engine), from a
     one-slot engine for plain decoding (whose rounds split their keys as the speculative loop does, not as
     `generate`'s steps)."""
     hot = SamplingConfig(temperature=1.0)
@@ -89,10 +89,10 @@ def test_a_seeded_request_samples_the_same_tokens_whoever_shares_the_slots(name)
     done = {e.request: e.completion for e in shared.events(max_rounds=2) if e.completion is not None}
     for i, (prompt, limit, seed) in ids.items():
         if drafter is None:
-            expected = alone.generate([prompt], limit, hot, seeds=[seed])[0].output_ids
+            expected = alone.complete([prompt], limit, hot, seeds=[seed])[0].output_ids
         else:
             expected = (
-                speculative.generate(
+                speculative.speculative_generate(
                     WEIGHTS,
                     CFG,
                     [prompt],
@@ -146,13 +146,13 @@ def test_a_stream_of_requests_compiles_five_programs_and_static_batches_idle_mor
     prompts, limits = [p for p, _ in work], [n for _, n in work]
     before = batch.compilations()
     refilling = Engine(WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=3, slots=4, max_context=64)
-    out = refilling.generate(prompts, limits)
+    out = refilling.complete(prompts, limits)
     compiled = {k: n - before.get(k, 0) for k, n in batch.compilations().items() if n != before.get(k, 0)}
     assert compiled == {"empty_state": 1, "begin": 1, "prefill": 1, "insert": 1, "run": 1}
     static = Engine(
         WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=3, slots=4, max_context=64, refill=False
     )
-    assert [c.output_ids for c in static.generate(prompts, limits)] == [c.output_ids for c in out]
+    assert [c.output_ids for c in static.complete(prompts, limits)] == [c.output_ids for c in out]
 
     assert refilling.idle_share() < static.idle_share()
 

@@ -97,12 +97,14 @@ def test_bad_input():
     with pytest.raises(InputError, match=f"token id {10**7} is outside the model's vocabulary 0..{CFG.vocab_size - 1}"):
         gen.generate(WEIGHTS, CFG, [[2], [10**7]], max_new_tokens=4)
     with pytest.raises(InputError, match="token id -1 is outside"):
-        speculative.generate(WEIGHTS, CFG, [[-1]], drafter=NgramDrafter(2), num_draft_tokens=2, max_new_tokens=4)
+        speculative.speculative_generate(
+            WEIGHTS, CFG, [[-1]], drafter=NgramDrafter(2), num_draft_tokens=2, max_new_tokens=4
+        )
     with pytest.raises(InputError, match="1 seeds for 2 prompts; give one, or one per prompt"):
         gen.generate(WEIGHTS, CFG, [[2], [3]], max_new_tokens=4, seed=[1])
     for seed in ([1, -1], [1, 2**63], [1, 2.0], "12"):
         with pytest.raises(InputError, match=r"seed must be an integer in 0\.\.2\*\*63-1"):
-            speculative.generate(
+            speculative.speculative_generate(
                 WEIGHTS, CFG, [[2], [3]], drafter=NgramDrafter(2), num_draft_tokens=2, max_new_tokens=4, seed=seed
             )
 

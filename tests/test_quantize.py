@@ -121,7 +121,9 @@ def test_speculative_greedy_on_an_int8_target_is_its_plain_greedy(name):
     prompts = [[5, 6, 7], list(range(10, 31)), [42]]
     plain = ar_generate(target, cfg, prompts, max_new_tokens=12, eos_ids=())
     drafter = drafter_cases()[name].build(target, cfg)
-    out = spec.generate(target, cfg, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=12, eos_ids=())
+    out = spec.speculative_generate(
+        target, cfg, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=12, eos_ids=()
+    )
     assert [c.output_ids for c in out.completions] == [c.output_ids for c in plain.completions]
 
 

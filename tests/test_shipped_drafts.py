@@ -24,7 +24,7 @@ def plain(smollm2):
 def test_a_shipped_draft_decodes_like_plain_greedy_and_is_accepted(smollm2, plain, spec):
     prompts, completions = plain
     drafter = drafter_from_spec(spec, smollm2.weights, smollm2.cfg)
-    spec_out = speculative.generate(
+    spec_out = speculative.speculative_generate(
         smollm2.weights, smollm2.cfg, prompts, drafter=drafter, num_draft_tokens=4, max_new_tokens=48, eos_ids=()
     )
     assert [c.output_ids for c in spec_out.completions] == [c.output_ids for c in completions]

@@ -54,7 +54,7 @@ def ar_batch():
 def check_greedy_batch_identical_to_autoregressive(drafter, k: int, expected) -> SpecResult:
     """Greedy speculative decoding of PROMPTS with `drafter` drafting K (or its own tree) gives `expected`, plain
     greedy decoding's tokens, with a histogram of 0..depth accepted drafts. Returns the result."""
-    result = spec.generate(
+    result = spec.speculative_generate(
         WEIGHTS, CFG, PROMPTS, drafter=drafter, num_draft_tokens=k, max_new_tokens=MAX_NEW, eos_ids=()
     )
     assert outputs(result) == expected
@@ -101,18 +101,18 @@ def test_greedy_batch_of_one_identical_to_autoregressive(name, ar_batch):
     kw = dict(drafter=DRAFTERS[name], num_draft_tokens=5, max_new_tokens=MAX_NEW, eos_ids=())
     alone_hist = np.zeros(6, np.int64)
     for prompt, expected in zip(PROMPTS, ar_batch):
-        result = spec.generate(WEIGHTS, CFG, [prompt], **kw)
+        result = spec.speculative_generate(WEIGHTS, CFG, [prompt], **kw)
         assert outputs(result) == [expected]
         alone_hist += result.stats.accepted_histogram
     # Acceptance is per row: a batch's row-round histogram is the sum of its prompts' histograms alone.
-    assert list(alone_hist) == spec.generate(WEIGHTS, CFG, PROMPTS, **kw).stats.accepted_histogram
+    assert list(alone_hist) == spec.speculative_generate(WEIGHTS, CFG, PROMPTS, **kw).stats.accepted_histogram
 
 
 def test_rows_stop_at_eos_and_limit_independently(ar_batch):
     eos = ar_batch[1][3]  # a token row 1 emits mid-way; other rows may emit it too, or never
     ar = outputs(ar_generate(WEIGHTS, CFG, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=[eos]))
     # Every draft is accepted, so EOS often lands inside an accepted run: the row is cut right after it.
-    result = spec.generate(
+    result = spec.speculative_generate(
         WEIGHTS, CFG, PROMPTS, drafter=DRAFTERS["same_model"], num_draft_tokens=5, max_new_tokens=MAX_NEW, eos_ids=[eos]
     )
     assert outputs(result) == ar
@@ -161,9 +161,11 @@ def test_cache_equals_fresh_prefill_and_traces_once(monkeypatch):
 
 def test_generate_reuses_the_executable():
     kw = dict(drafter=DRAFTERS["ngram"], num_draft_tokens=3, max_new_tokens=6)
-    first = spec.generate(WEIGHTS, CFG, PROMPTS, seed=0, sampling=SamplingConfig(0.8), **kw)
-    second = spec.generate(WEIGHTS, CFG, PROMPTS[::-1], seed=1, sampling=SamplingConfig(0.3, top_p=0.9), **kw)
-    again = spec.generate(WEIGHTS, CFG, PROMPTS, seed=0, sampling=SamplingConfig(0.8), **kw)
+    first = spec.speculative_generate(WEIGHTS, CFG, PROMPTS, seed=0, sampling=SamplingConfig(0.8), **kw)
+    second = spec.speculative_generate(
+        WEIGHTS, CFG, PROMPTS[::-1], seed=1, sampling=SamplingConfig(0.3, top_p=0.9), **kw
+    )
+    again = spec.speculative_generate(WEIGHTS, CFG, PROMPTS, seed=0, sampling=SamplingConfig(0.8), **kw)
     assert second.compile_seconds == 0 and again.compile_seconds == 0  # a new temperature compiles nothing
     assert outputs(again) == outputs(first)
     assert first.stats.tokens_per_s > 0 and first.stats.rounds >= 1
@@ -180,7 +182,9 @@ def test_a_seeded_prompt_samples_the_same_tokens_in_any_batch(name):
         kw = dict(max_new_tokens=MAX_NEW, sampling=SamplingConfig(temperature=1.0), seed=seed, eos_ids=()) | kw
         if name == "plain":
             return outputs(ar_generate(WEIGHTS, CFG, prompts, **kw))
-        return outputs(spec.generate(WEIGHTS, CFG, prompts, drafter=DRAFTERS[name], num_draft_tokens=3, **kw))
+        return outputs(
+            spec.speculative_generate(WEIGHTS, CFG, prompts, drafter=DRAFTERS[name], num_draft_tokens=3, **kw)
+        )
 
     batched = run(prompts, seeds)
     for prompt, seed, output in zip(prompts, seeds, batched):
@@ -364,7 +368,7 @@ def test_acceptance_rules_on_fixed_distributions():
 def test_bad_input():
     def run(**kw):
         args = dict(drafter=DRAFTERS["ngram"], num_draft_tokens=3, max_new_tokens=4) | kw
-        return spec.generate(WEIGHTS, CFG, [[2, 3]], **args)
+        return spec.speculative_generate(WEIGHTS, CFG, [[2, 3]], **args)
 
     for k in (0, -1, spec.MAX_DRAFT_TOKENS + 1):
         with pytest.raises(InputError, match="draft tokens"):
@@ -387,7 +391,7 @@ def test_bad_input():
 
 def test_batch_padding_rows_do_not_change_results_or_statistics(ar_batch):
     kw = dict(drafter=DRAFTERS["ngram"], num_draft_tokens=3, max_new_tokens=MAX_NEW, eos_ids=())
-    a = spec.generate(WEIGHTS, CFG, PROMPTS[1:2], **kw)
-    b = spec.generate(WEIGHTS, CFG, PROMPTS[1:2], batch_size=4, **kw)
+    a = spec.speculative_generate(WEIGHTS, CFG, PROMPTS[1:2], **kw)
+    b = spec.speculative_generate(WEIGHTS, CFG, PROMPTS[1:2], batch_size=4, **kw)
     assert outputs(a) == outputs(b) == [ar_batch[1]]
     assert a.stats.accepted_histogram == b.stats.accepted_histogram and a.stats.rounds == b.stats.rounds

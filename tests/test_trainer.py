@@ -392,7 +392,7 @@ def test_smoke_pipeline_exports_a_loadable_head(smoke_run):
     expected = [c.output_ids for c in generate(target.weights, target.cfg, prompts, max_new_tokens=16).completions]
     for tree in (None, TreeSpec(3, 2, 6)):
         drafter = load_eagle3_drafter(str(out / "export"), target.cfg, target.weights.embed, tree)
-        result = speculative.generate(
+        result = speculative.speculative_generate(
             target.weights, target.cfg, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=16
         )
         assert [c.output_ids for c in result.completions] == expected
@@ -443,7 +443,7 @@ def test_dflash_pipeline_trains_and_exports_a_draft_that_decodes_exactly(dflash_
     assert drafter.weights.vocab_ids.shape == (512,)  # the run's draft vocabulary
     prompts = [target.tokenizer.chat_prompt_ids(p) for p in ("Hello!", "Write a function that adds two numbers.")]
     expected = [c.output_ids for c in generate(target.weights, target.cfg, prompts, max_new_tokens=16).completions]
-    result = speculative.generate(
+    result = speculative.speculative_generate(
         target.weights, target.cfg, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=16
     )
     assert [c.output_ids for c in result.completions] == expected

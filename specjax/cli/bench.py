@@ -193,7 +193,7 @@ class SpeculativeRunner:
     prefill_chunk: int | None
 
     def __call__(self, group, max_new_tokens, seed):
-        out = speculative.generate(
+        out = speculative.speculative_generate(
             self.model.weights,
             self.model.cfg,
             group,
@@ -466,10 +466,10 @@ def engine_comparison(
                 seed=seed,
                 refill=refill,
             )
-            engine.generate(prompts[:slots], 2, sampling)  # compiles its programs
+            engine.complete(prompts[:slots], 2, sampling)  # compiles its programs
             engine.slot_rounds.clear()
             t0 = time.perf_counter()
-            out = engine.generate(prompts, limits, sampling)
+            out = engine.complete(prompts, limits, sampling)
             engines[refill] = (engine, [c.output_ids for c in out], time.perf_counter() - t0)
         tokens = sum(map(len, static_ids))
         (static_engine, _, static_engine_s), (refilling, refill_ids, refill_s) = engines[False], engines[True]

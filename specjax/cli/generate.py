@@ -174,7 +174,7 @@ def in_batches(model, drafter, verified, prompts, prompt_ids, limits, sampling, 
             out = generate(model.weights, model.cfg, group, **kw)
             spec_stats = {}
         else:
-            out = speculative.generate(
+            out = speculative.speculative_generate(
                 model.weights,
                 model.cfg,
                 group,

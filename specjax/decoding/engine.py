@@ -210,7 +210,7 @@ class Engine:
     Args:
       weights, cfg: the target.
       drafter: any `Drafter`; None: plain decoding.
-      num_draft_tokens: K or an adaptive menu, as `speculative.generate` takes (with a drafter).
+      num_draft_tokens: K or an adaptive menu, as `speculative_generate` takes (with a drafter).
       slots: B, rows decoded together.
       max_context: the longest prompt + max_new_tokens a request may ask for (S is the power of two above it).
       sampled: False: every request greedy (the greedy program); True: per-request sampling values (a request with
@@ -419,7 +419,7 @@ class Engine:
         while self._queue or self.busy:
             yield from self.step(max_rounds)
 
-    def generate(
+    def complete(
         self,
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | Sequence[int],

@@ -401,7 +401,7 @@ def as_plain_rounds(plain: GenerateResult, menu: Sequence[int], depth: int, prom
     return SpecResult(plain.completions, plain.seconds, plain.compile_seconds, stats)
 
 
-def generate(
+def speculative_generate(
     weights: Weights,
     cfg: ModelConfig,
     prompts: Sequence[Sequence[int]],

@@ -328,7 +328,7 @@ def stage_evaluate(cfg: TrainConfig, model: LoadedModel) -> dict:
         for name, description, drafter, k in drafters:
             hist = None
             for batch in tqdm(batches, desc=f"evaluate {set_name} {name}", unit="batch", file=sys.stderr):
-                out = speculative.generate(
+                out = speculative.speculative_generate(
                     model.weights,
                     model.cfg,
                     batch,
