@@ -60,8 +60,8 @@ def test_rows_stop_at_eos_independently():
 
 def test_compiles_once_per_shape(monkeypatch):
     traces = []
-    original = gen.prefill
-    monkeypatch.setattr(gen, "prefill", lambda *a, **k: traces.append(1) or original(*a, **k))
+    original = gen.prefill_prompts
+    monkeypatch.setattr(gen, "prefill_prompts", lambda *a, **k: traces.append(1) or original(*a, **k))
     batch._EXECUTABLES.clear()
     gen.decode.clear_cache()
     sampling = SamplingConfig(temperature=0.9, top_p=0.95)
@@ -141,9 +141,9 @@ def test_max_new_tokens_per_row_and_prefill_chunks_are_data_and_exact():
 def test_samples_of_a_prompt_share_one_prefill(monkeypatch):
     """num_samples rows per prompt: the target prefills each prompt once, and its KV serves every sample."""
     prefilled_rows = []
-    original = gen.prefill
+    original = gen.prefill_prompts
     monkeypatch.setattr(
-        gen, "prefill", lambda w, c, t, *a, **k: prefilled_rows.append(t.shape[0]) or original(w, c, t, *a, **k)
+        gen, "prefill_prompts", lambda w, c, t, *a, **k: prefilled_rows.append(t.shape[0]) or original(w, c, t, *a, **k)
     )
     gen.decode.clear_cache()
     batch._EXECUTABLES.clear()

@@ -43,7 +43,7 @@ class DecodeState:
     keys_b: jax.Array  # [B] typed PRNG keys: each row's own, split every step
 
 
-def prefill(
+def prefill_prompts(
     weights: Weights,
     cfg: ModelConfig,
     tokens_up: jax.Array,
@@ -104,7 +104,7 @@ def decode(
     U, S = tokens_up.shape
     B = U * num_samples
     cache = KVCache.empty(cfg, U, S, weights.embed.dtype)
-    logits_bv, _, cache = prefill(weights, cfg, tokens_up, lengths_u, cache, num_samples, prefill_chunk)
+    logits_bv, _, cache = prefill_prompts(weights, cfg, tokens_up, lengths_u, cache, num_samples, prefill_chunk)
     keys_b, first_keys_b = split_rows(keys_b)
     first = sample(first_keys_b, logits_bv, sampling)
     pad = eos_ids[0] if eos_ids else 0

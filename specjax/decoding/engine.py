@@ -116,7 +116,7 @@ def prefill(
 ):
     """Chunks `first` to `end` (exclusive) of a new request's prompt [1, S] of `length_1` tokens."""
     loop = _loop(weights, drafter, policy, sampling_1, max_new_1, cfg, eos_ids, prefill_chunk)
-    return speculative.prefill_chunks(loop, prefilled, tokens_1s, length_1, 1, first, end)
+    return speculative.prefill_and_commit(loop, prefilled, tokens_1s, length_1, 1, first, end)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))

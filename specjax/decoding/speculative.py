@@ -119,7 +119,7 @@ def start(loop: Loop, tokens_up, lengths_u, keys_b, active_b, num_samples: int) 
     long contexts would rival the cache. Each row's last prompt position waits, its taps kept, for the token after
     it: the first sampled one. The three steps are apart so that a prefill can run a few chunks at a time
     (`specjax.decoding.engine`)."""
-    prefilled = prefill_chunks(
+    prefilled = prefill_and_commit(
         loop,
         begin_prefill(loop, tokens_up, lengths_u, num_samples),
         tokens_up,
@@ -144,7 +144,7 @@ def begin_prefill(loop: Loop, tokens_up, lengths_u, num_samples: int) -> tuple:
     return jnp.zeros((U, loop.cfg.vocab_size), jnp.float32), (draft_state, last0), cache
 
 
-def prefill_chunks(loop: Loop, prefilled: tuple, tokens_up, lengths_u, num_samples: int, first, end) -> tuple:
+def prefill_and_commit(loop: Loop, prefilled: tuple, tokens_up, lengths_u, num_samples: int, first, end) -> tuple:
     """Prefill chunks `first` to `end` (exclusive) of the prompts, each committed by the drafter as it is made."""
     U, P = tokens_up.shape
     C = chunk_size(loop.prefill_chunk, P)

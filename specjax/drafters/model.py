@@ -64,7 +64,7 @@ def _draft_chain(
     return tokens_bk, probs_bkv, cache
 
 
-def _prefill(weights: Weights, cfg: ModelConfig, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int):
+def _prefill_draft(weights: Weights, cfg: ModelConfig, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int):
     """The draft model's cache of the prompts, prefilled by the platform's chunks as the target's is."""
     cache = KVCache.empty(cfg, tokens_bp.shape[0], num_slots, weights.embed.dtype)
     return chunked_prefill(weights, cfg, tokens_bp, lengths_b, cache, chunk_size(None))[2]
@@ -90,7 +90,7 @@ class ModelDrafter(ChainDrafter):
             )
 
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> ModelDraftState:
-        return ModelDraftState(_prefill(self.weights, self.cfg, tokens_bp, lengths_b, num_slots))
+        return ModelDraftState(_prefill_draft(self.weights, self.cfg, tokens_bp, lengths_b, num_slots))
 
     def propose_chain(self, state, tokens_bs, length_b, keys_b, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `Drafter.propose`."""
@@ -137,7 +137,7 @@ class LayerSkipDrafter(ChainDrafter):
     def init(self, tokens_bp: jax.Array, lengths_b: jax.Array, num_slots: int) -> ModelDraftState:
         n = self.num_layers
         weights = dataclasses.replace(self.weights, layers=jax.tree.map(lambda a: a[:n], self.weights.layers))
-        return ModelDraftState(_prefill(weights, self.draft_cfg, tokens_bp, lengths_b, num_slots), weights)
+        return ModelDraftState(_prefill_draft(weights, self.draft_cfg, tokens_bp, lengths_b, num_slots), weights)
 
     def propose_chain(self, state, tokens_bs, length_b, keys_b, *, num_draft_tokens: int, vocab_size: int, sampling):
         """See `Drafter.propose`."""

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding.autoregressive import prefill
+from specjax.decoding.autoregressive import prefill_prompts
 from specjax.drafters.base import Drafter
 from specjax.measure.speedup import acceptance_rate_from_mean, expected_tokens_per_round
 from specjax.models.kv_cache import KVCache
@@ -125,7 +125,7 @@ def prefill_timer(
     @jax.jit
     def start(weights, tokens, lengths):
         cache = jax.lax.optimization_barrier(KVCache.empty(cfg, *tokens.shape, weights.embed.dtype))
-        return prefill(weights, cfg, tokens, lengths, cache, 1, chunk)
+        return prefill_prompts(weights, cfg, tokens, lengths, cache, 1, chunk)
 
     return lambda: start(weights, tokens, lengths)
 
