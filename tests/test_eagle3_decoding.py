@@ -132,7 +132,17 @@ def committed(out, b):
     return np.asarray(out.state.tokens_bs[b, :n])
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree", "lookup", "lookup-longer"])
+# CI: the tree and the chain behind a lookup that proposes more than K (both drafters commit); -m slow adds the chain
+# alone and the plain lookup.
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("chain", marks=pytest.mark.slow),
+        "tree",
+        pytest.param("lookup", marks=pytest.mark.slow),
+        "lookup-longer",
+    ],
+)
 def test_target_and_head_kv_equal_a_fresh_prefix_pass(mode, runs):
     """Target KV (tree: after compaction) and head KV for committed positions equal fresh passes over the text."""
     out = runs[mode]
@@ -277,6 +287,7 @@ def test_tree_rows_with_mixed_settings_each_match_their_target_distribution():
         assert tv < TV_BOUND, (setting, tv)
 
 
+@pytest.mark.slow  # in CI: test_engine.py's seeded requests through shared slots, the EAGLE-3 tree among them
 def test_sampled_tree_rows_are_the_same_alone_as_in_a_batch():
     """The tree's draws (Gumbel-top-k children) and acceptance use each row's own key: a seeded prompt samples the same
     tokens alone and among other prompts, and again on a second call."""

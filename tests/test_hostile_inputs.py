@@ -197,7 +197,7 @@ def test_the_write_primitive_names_the_file_and_keeps_the_old_one(tmp_path, monk
     assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
 
 
-@pytest.mark.parametrize("kind", ["a file", "under /proc"])
+@pytest.mark.parametrize("kind", ["a file", pytest.param("under /proc", marks=pytest.mark.slow)])  # one path
 def test_an_unusable_cache_is_a_warning_and_the_run_goes_on(kind, tiny_folder, tmp_path, monkeypatch, caplog):
     if kind == "a file":
         cache = tmp_path / "cache"

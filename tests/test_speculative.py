@@ -171,7 +171,12 @@ def test_generate_reuses_the_executable():
     assert first.stats.tokens_per_s > 0 and first.stats.rounds >= 1
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram", "other_model"])
+# CI: the n-gram drafter; plain decoding's seeds are tested in test_generate.py and every drafter's through shared
+# slots in test_engine.py.
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param("plain", marks=pytest.mark.slow), "ngram", pytest.param("other_model", marks=pytest.mark.slow)],
+)
 def test_a_seeded_prompt_samples_the_same_tokens_in_any_batch(name):
     """Every row draws from a key of its own: a prompt with its seed samples the same tokens alone, among other
     prompts in any order, and with padding rows; the same call again gives them again; other seeds give others. One

@@ -149,7 +149,7 @@ def load_target(args: argparse.Namespace):
         start_distributed(None if args.coordinator == "auto" else args.coordinator, args.num_processes, args.process_id)
     dtype = None if args.dtype == "auto" else jnp.dtype(args.dtype)
     mesh = "auto" if args.mesh == "auto" else parse_mesh(args.mesh)
-    return load_model(args.model, dtype, mesh, args.quantize, args.attention)
+    return load_model(args.model, dtype, mesh, args.quantize, attention=args.attention)
 
 
 def gather_requests(args: argparse.Namespace, default: Sequence[str] = ()) -> list[tuple[str, int]]:

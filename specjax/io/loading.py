@@ -67,6 +67,7 @@ def tiny_random_model(
     dtype=jnp.float32,
     mesh: MeshChoice = None,
     quantize: str = "none",
+    *,
     rules: Rules = DEFAULT_RULES,
     attention: str = "auto",
 ) -> LoadedModel:
@@ -99,6 +100,7 @@ def load_model(
     dtype=None,
     mesh: MeshChoice = None,
     quantize: str = "none",
+    *,
     rules: Rules = DEFAULT_RULES,
     attention: str = "auto",
 ) -> LoadedModel:
@@ -129,7 +131,7 @@ def load_model(
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     if name_or_path == TINY_RANDOM:
-        return tiny_random_model(dtype, mesh, quantize, rules, attention)
+        return tiny_random_model(dtype, mesh, quantize, rules=rules, attention=attention)
     if name_or_path in EMBEDDED:
         path = embedded_gguf(name_or_path)
     else:
