@@ -28,6 +28,22 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(RUN_CACHE / "jax"))
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
+# xdist hands whole files to its workers in collection order: the longest files first (by a full run on 2 cores) keep
+# both workers busy to the end, where alphabetical order left the longest ones running alone last. Order only.
+LONGEST_FIRST = (
+    "test_speculative.py",
+    "test_eagle3_decoding.py",
+    "test_trainer.py",
+    "test_engine.py",
+    "test_sharding.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
 def pytest_unconfigure(config):
     if RUN == str(os.getpid()):
         shutil.rmtree(RUN_CACHE, ignore_errors=True)

@@ -414,7 +414,7 @@ def test_tree_parameters_out_of_range_are_refused():
             TreeSpec.parse(text)
     with pytest.raises(InputError, match="draft vocabulary"):
         drafter(TreeSpec(2, 9, 8), SMALL_HEAD, SMALL_WEIGHTS)
-    with pytest.raises(InputError, match=r"^tree drafting \(tree\) needs an EAGLE-3 head: drafter='eagle3:PATH'$"):
+    with pytest.raises(InputError, match=r"^ngram\[:N\] drafts chains: drop tree, or draft trees with eagle3:PATH$"):
         drafter_from_spec("ngram", WEIGHTS, CFG, tree=TREE)
 
 
@@ -484,7 +484,7 @@ def test_cli_eagle3_greedy_equals_plain_decoding(cli_target, tmp_path, prefix, e
     [
         (["--drafter", "eagle3:{head}", "--tree", "4,4,100"], "budget"),
         (["--drafter", "eagle3:{head}", "--tree", "4,4"], "depth,topk,budget"),
-        (["--drafter", "ngram", "--tree", "3,2,6"], "(--tree) needs an EAGLE-3 head: --drafter eagle3:PATH"),
+        (["--drafter", "ngram", "--tree", "3,2,6"], "drafts chains: drop --tree, or draft trees with eagle3:PATH"),
         (["--drafter", "eagle3:{other}"], "hidden"),
         (["--drafter", "eagle3:{corrupt}"], "safetensors"),
         (["--drafter", "eagle3:{missing}"], ""),
