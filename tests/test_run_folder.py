@@ -9,6 +9,7 @@ import shutil
 import signal
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -219,11 +220,15 @@ def losses(run: Path) -> dict[int, float]:
 
 @pytest.fixture
 def file_size_limit():
-    """Sets RLIMIT_FSIZE (a write past it fails with EFBIG, as a full disk fails with ENOSPC) for the block."""
+    """Sets RLIMIT_FSIZE (a write past it fails with EFBIG, as a full disk fails with ENOSPC) for the block. The run's
+    persistent compilation cache takes no new entry meanwhile: the limit would cut it short for every later reader."""
     limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    min_compile_seconds = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     yield lambda size: resource.setrlimit(resource.RLIMIT_FSIZE, (size, limits[1]))
     resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     signal.signal(signal.SIGXFSZ, handler)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
 
 
 def test_a_refused_checkpoint_stops_training_in_one_line_and_the_rerun_resumes(run_copy, capfd, file_size_limit):
