@@ -234,7 +234,7 @@ def retimed(adaptive: Adaptive, stats: Any) -> tuple[Adaptive, float]:
     step_s, token_s = np.asarray(adaptive.clock, np.float64)
     if step_s <= 0 or stats.seconds <= 0:
         return adaptive, float(np.sum(rounds * np.maximum(cost, 1.0)))
-    prefill_s = step_s + max(stats.prompt_tokens - 1, 0) * token_s
+    prefill_s = step_s + max(stats.prompt_tokens - 1, 0) * token_s if stats.prompt_tokens else 0.0  # 0: an engine run
     decode_s = max(stats.seconds - prefill_s, stats.seconds / 10)
     if not stats.acceptance_evidence:
         measured = decode_s / max(stats.plain_steps, 1)

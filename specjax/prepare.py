@@ -1,7 +1,8 @@
 """Decoding set up: from a loaded target and a `DecodeConfig`, the drafter, the drafting policy and the memory plan,
 checked before anything compiles.
 
-`prepare_decoding` runs the sequence every decoding tool needs (specjax-generate, specjax-bench, specjax-serve):
+`prepare_decoding` runs the sequence every decoding tool needs (specjax-generate, specjax-bench, specjax-serve;
+`serving_engine` makes the server's engine from it):
 build the drafter of the spec (a draft that is a whole model is loaded beside the target: `draft_loader`), fix or
 check the K its rounds verify, plan the run's memory and refuse a plan the device cannot hold, then, for
 `num_draft_tokens="auto"`, calibrate the adaptive menu on this machine (`specjax.measure.calibration`, cached). Its
@@ -19,13 +20,14 @@ import jax
 
 from specjax.adaptive import Adaptive, Fixed
 from specjax.config import ModelConfig, SamplingConfig, apply_override, build_config, read_config_file
+from specjax.decoding.engine import Engine, buckets
 from specjax.decoding.speculative import check_inputs
 from specjax.drafters import Drafter, drafter_from_spec, with_lookup_tokens
 from specjax.drafters.tree import TreeSpec
 from specjax.errors import InputError
 from specjax.host import device_memory, status
 from specjax.io.loading import LoadedModel, load_model
-from specjax.measure.calibration import auto_max_drafts, calibrated
+from specjax.measure.calibration import auto_max_drafts, calibrated_by_rows
 from specjax.measure.memory import MemoryPlan, check_fits, memory_plan
 from specjax.models.llama import Weights
 from specjax.models.quantize import quantization
@@ -45,6 +47,8 @@ class DecodeConfig:
     tree: str | None = None  # "depth,topk,budget": an EAGLE-3 head drafts a dynamic tree instead of a chain
     sampling: SamplingConfig = SamplingConfig()  # what adaptive drafting is calibrated for (greedy or sampled)
     rows: int = 1  # rows decoded at once: a batch's prompts times their samples, or an engine's slots
+    # the rows are an engine's slots: adaptive drafting is calibrated for each bucket of live rows (`Engine.buckets`)
+    engine: bool = False
     prompt_len: int = 512  # the longest prompt, in tokens
     max_new_tokens: int = 128  # the most tokens a row generates
     prefill_chunk: int | None = None  # prompt tokens per prefill forward (None: `specjax.models.llama.chunk_size`)
@@ -90,6 +94,8 @@ class Decoding:
     # calibrated menu; Fixed(0) for plain decoding
     policy: Fixed | Adaptive
     plan: MemoryPlan  # the run's memory on each device, at the config's rows
+    # with `engine`: the policy of each bucket of live rows, `policy` the one at the config's rows (`Engine` takes it)
+    by_rows: dict[int, Fixed | Adaptive] = dataclasses.field(default_factory=dict)
 
 
 def draft_loader(model: LoadedModel) -> Callable[[str], tuple[ModelConfig, Weights]]:
@@ -117,16 +123,47 @@ def prepare_decoding(model: LoadedModel, config: DecodeConfig) -> Decoding:
     """
     drafter, verified, plan_at = _drafting(model, config)
     plan = check_fits(plan_at, config.rows, device_memory(), len(jax.devices()))
-    if drafter is None:
-        return Decoding(None, Fixed(0), plan)
-    if verified != "auto":
-        return Decoding(drafter, Fixed(verified), plan)
-    adaptive = calibrated(
-        model.weights, model.cfg, drafter, auto_max_drafts(drafter), batch=config.rows, sampling=config.sampling
+    rows = buckets(config.rows) if config.engine else [config.rows]
+    if drafter is None or verified != "auto":
+        policy = Fixed(0 if drafter is None else verified)
+        return Decoding(drafter, policy, plan, dict.fromkeys(rows, policy) if config.engine else {})
+    by_rows = calibrated_by_rows(
+        model.weights, model.cfg, drafter, auto_max_drafts(drafter), rows=rows, sampling=config.sampling
     )
-    check_inputs(model.cfg, drafter, adaptive)
-    status(f"adaptive drafting, estimated cost of a round in plain steps: {menu_costs(adaptive)}")
-    return Decoding(drafter, adaptive, plan)
+    for n, adaptive in by_rows.items():
+        check_inputs(model.cfg, drafter, adaptive)
+        status(f"adaptive drafting, estimated cost of a round of {n} rows in plain steps: {menu_costs(adaptive)}")
+    return Decoding(drafter, by_rows[config.rows], plan, by_rows if config.engine else {})
+
+
+def serving_engine(model: LoadedModel, config: DecodeConfig, max_context: int) -> Engine:
+    """A refilling engine of `config.rows` slots for sampled and greedy requests of up to `max_context` tokens, set up
+    by `prepare_decoding` (adaptive drafting calibrated for each bucket of live rows) and with every program compiled
+    (`Engine.warm`): what specjax-serve serves.
+
+    Args:
+      model: the loaded target.
+      config: the drafting; its rows are the slots, its prompt and new tokens are planned as halves of the context.
+      max_context: the longest prompt + new tokens a request may ask for.
+    """
+    config = dataclasses.replace(
+        config, engine=True, prompt_len=max_context // 2, max_new_tokens=max_context - max_context // 2
+    )
+    decoding = prepare_decoding(model, config)
+    engine = Engine(
+        model.weights,
+        model.cfg,
+        drafter=decoding.drafter,
+        num_draft_tokens=decoding.by_rows,
+        slots=config.rows,
+        max_context=max_context,
+        sampled=True,
+        eos_ids=model.eos_ids,
+        prefill_chunk=config.prefill_chunk,
+    )
+    status(f"compiling the engine's programs for {config.rows} slots, runs of {engine.buckets} rows")
+    engine.warm()
+    return engine
 
 
 def decoding_memory_plan(model: LoadedModel, config: DecodeConfig) -> MemoryPlan:

@@ -74,6 +74,7 @@ class EngineThread:
         self._jobs: dict[int, Job] = {}
         self.tokens = 0  # generated, over the server's life
         self.mean_accepted = 0.0  # tokens per row-round, over the server's life
+        self.accepted_hist = np.zeros((1,), np.int64)  # row-rounds that accepted 0..D drafts, over the server's life
         self.recent: list[tuple[float, int]] = []  # (time, tokens) of the last minute's steps
         self.requests = 0
         self._thread = threading.Thread(target=self._run, name="specjax-engine", daemon=True)
@@ -140,7 +141,8 @@ class EngineThread:
             made = sum(len(e.new_ids) for e in events)
             self.tokens += made
             self.recent.append((time.monotonic(), made))
-            self.mean_accepted, _ = acceptance(np.asarray(self.engine.state.accepted_hist))
+            self.accepted_hist = np.asarray(self.engine.state.accepted_hist)
+            self.mean_accepted, _ = acceptance(self.accepted_hist)
             for event in events:
                 job = self._jobs.get(event.request)
                 if job is None:
@@ -378,8 +380,19 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, default_max
             ("specjax_queue_depth", "requests waiting for a slot", engine.queued),
             ("specjax_busy_slots", "slots holding a request", engine.busy),
             ("specjax_slots", "slots", engine.slots),
+            (
+                "specjax_compiled_programs",
+                "programs the engine compiled (at start: every bucket's)",
+                engine.compiled_programs,
+            ),
         ]
         text = "".join(f"# HELP {n} {h}\n# TYPE {n} gauge\n{n} {v}\n" for n, h, v in lines)
+        hist = worker.accepted_hist
+        text += "# HELP specjax_row_rounds_total rounds of each running row\n# TYPE specjax_row_rounds_total counter\n"
+        text += f"specjax_row_rounds_total {int(hist.sum())}\n"
+        name = "specjax_accepted_drafts_per_pos_total"
+        text += f"# HELP {name} row-rounds that accepted the draft at each position\n# TYPE {name} counter\n"
+        text += "".join(f'{name}{{position="{i}"}} {int(hist[i + 1 :].sum())}\n' for i in range(len(hist) - 1))
         return PlainTextResponse(text)
 
     @contextlib.asynccontextmanager

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from drafters_fixture import drafter_cases, drafter_params
 
+from specjax.adaptive import Adaptive
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import batch, speculative
 from specjax.decoding.autoregressive import generate
@@ -69,7 +70,7 @@ def test_greedy_output_through_refilled_slots_equals_each_prompt_alone(case):
         alone = generate(WEIGHTS, CFG, [prompt], max_new_tokens=limit).completions[0]
         assert completions[i].output_ids == alone.output_ids == streamed[i], (name, prompt, limit)
         assert completions[i].finish_reason == alone.finish_reason
-    assert engine.slot_rounds["running"] > 0
+    assert engine.slot_rounds["running"] > 0 and len(engine.runs_by_rows) > 1  # the live bucket grew and shrank
     if name != "plain":
         assert engine.state.accepted_hist[1:].sum() > 0  # drafts were accepted, some rows more than others
 
@@ -141,20 +142,43 @@ def test_a_refilled_slot_samples_exactly_the_targets_distribution():
     assert engine.slot_rounds["running"] > 0 and engine.state.accepted_hist[1:].sum() > 0
 
 
-def test_a_stream_of_requests_compiles_five_programs_and_static_batches_idle_more():
+def test_a_stream_of_requests_compiles_a_few_programs_per_bucket_and_static_batches_idle_more():
     work = requests(12, seed=5)
     prompts, limits = [p for p, _ in work], [n for _, n in work]
     before = batch.compilations()
     refilling = Engine(WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=3, slots=4, max_context=64)
     out = refilling.complete(prompts, limits)
     compiled = {k: n - before.get(k, 0) for k, n in batch.compilations().items() if n != before.get(k, 0)}
-    assert compiled == {"empty_state": 1, "begin": 1, "prefill": 1, "insert": 1, "run": 1}
+    buckets = refilling.buckets
+    assert buckets == [1, 2, 4] and compiled.pop("run") == len(refilling.runs_by_rows)  # one per bucket that ran
+    assert compiled.pop("insert") <= len(buckets) and compiled.pop("resize") <= len(buckets) * (len(buckets) - 1)
+    assert compiled == {"empty_state": 1, "begin": 1, "prefill": 1}
     static = Engine(
         WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=3, slots=4, max_context=64, refill=False
     )
     assert [c.output_ids for c in static.complete(prompts, limits)] == [c.output_ids for c in out]
 
     assert refilling.idle_share() < static.idle_share()
+
+
+@pytest.mark.parametrize("step_s,drafts", [(1e-6, False), (3600.0, True)], ids=["drafting-loses", "drafting-wins"])
+def test_each_bucket_learns_from_its_timed_runs_whether_drafting_pays(step_s, drafts):
+    """An adaptive policy's clock says what a plain step of the bucket takes: a microsecond makes every timed run a
+    loss against plain decoding, so the bucket learns to run plain steps; an hour makes every run a win, so it keeps
+    drafting. Either way each greedy output is the prompt's alone."""
+    policy = Adaptive.of([0, 3], [1.0, 1.2], clock=(step_s, 0.0))
+    engine = Engine(WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=policy, slots=2, max_context=64)
+    drafting_rounds = []
+    for prompt, limit in requests(6, seed=3):  # one at a time: bucket 1
+        out = engine.complete([prompt], [max(limit, 8)])[0]
+        assert (
+            out.output_ids == generate(WEIGHTS, CFG, [prompt], max_new_tokens=max(limit, 8)).completions[0].output_ids
+        )
+        drafting_rounds.append(int(engine.state.menu_rounds[1]))
+    assert engine.runs_by_rows == {1: engine.runs_by_rows[1]} and drafting_rounds[0] > 0
+    learned = engine.policies[1]
+    assert learned.never_drafts([0, 3]) is not drafts and engine.policies[2] is policy  # bucket 2 never ran
+    assert (drafting_rounds[-1] > drafting_rounds[1]) is drafts  # after the first run: drafting goes on, or stops
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_per_round_beside_the_running_rows():

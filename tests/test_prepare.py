@@ -34,7 +34,9 @@ def test_the_config_reads_like_the_trainers(tmp_path):
     )
     assert load_decode_config({"num_draft_tokens": "auto", "tree": "3,2,6"}).tree == "3,2,6"
     assert load_decode_config() == DecodeConfig()
-    with pytest.raises(InputError, match=r"unknown config key\(s\) drafterr; valid keys: .*drafter, lookup_tokens"):
+    with pytest.raises(
+        InputError, match=r"unknown config key\(s\) drafterr; valid keys: .*drafter, engine, lookup_tokens"
+    ):
         load_decode_config({"drafterr": "ngram"})
     with pytest.raises(InputError, match=r"unknown config key\(s\) sampling\.temp; valid keys in sampling: "):
         load_decode_config(None, ["sampling.temp=1"])
@@ -91,8 +93,20 @@ def test_auto_calibrates_the_menu_once_and_reports_its_costs(tmp_path, monkeypat
     deepest = DecodeConfig(drafter="ngram", num_draft_tokens=calibration.auto_max_drafts(decoding.drafter), **SHAPE)
     assert decoding.plan == prepare_decoding(MODEL, deepest).plan
     costs = prepare.menu_costs(decoding.policy)
-    assert f"adaptive drafting, estimated cost of a round in plain steps: {costs}" in caplog.messages
-    assert costs.startswith("0: 1.00, ")
+    rows = SHAPE.get("rows", 1)
+    assert f"adaptive drafting, estimated cost of a round of {rows} rows in plain steps: {costs}" in caplog.messages
+    assert costs.startswith("0: 1.00, ") and decoding.by_rows == {}
+
+    # An engine's buckets, each calibrated: here a draft token costs as much more as the rows it is drafted for.
+    def timed_by_rows(weights, cfg, drafter, menu, *, batch, **kw):
+        return {"step_s": 0.01, "prefill_token_s": 1e-4, "round_s": [0.01 + 0.0005 * k * batch for k in menu]}
+
+    monkeypatch.setattr(calibration, "round_seconds", timed_by_rows)
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "engine"))
+    engine = prepare_decoding(MODEL, DecodeConfig(drafter="ngram", **{**SHAPE, "rows": 4, "engine": True}))
+    assert sorted(engine.by_rows) == [1, 2, 4] and engine.policy is engine.by_rows[4]
+    assert len({p.menu for p in engine.by_rows.values()}) == 1  # one menu: the engine's programs share it
+    assert float(engine.by_rows[1].cost[-1]) < float(engine.by_rows[2].cost[-1]) < float(engine.by_rows[4].cost[-1])
     with pytest.raises(InputError, match="^lookup_tokens needs a fixed num_draft_tokens$"):
         prepare_decoding(MODEL, DecodeConfig(drafter="ngram+layerskip:1", lookup_tokens=4, **SHAPE))
 

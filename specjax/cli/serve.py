@@ -9,12 +9,11 @@ import uvicorn
 
 from specjax.cli import common as cli
 from specjax.config import SamplingConfig
-from specjax.decoding.engine import Engine
 from specjax.drafters import spec_help, tree_specs
 from specjax.errors import InputError
 from specjax.host import status
 from specjax.models.attention import attention_path
-from specjax.prepare import DecodeConfig, prepare_decoding
+from specjax.prepare import DecodeConfig, serving_engine
 from specjax.serving import build_app
 
 
@@ -52,34 +51,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not 1 <= context <= model.cfg.max_position_embeddings:
         raise InputError(f"--max-context must be in 1..{model.cfg.max_position_embeddings}, got {context}")
     slots = args.batch_size or 8
-    decoding = prepare_decoding(
-        model,
-        DecodeConfig(
-            drafter=args.drafter,
-            num_draft_tokens=args.num_draft_tokens,
-            tree=args.tree,
-            sampling=SamplingConfig(temperature=1.0),  # calibrated for sampled requests
-            rows=slots,
-            prompt_len=context // 2,
-            max_new_tokens=context - context // 2,
-            prefill_chunk=args.prefill_chunk,
-        ),
-    )
-    engine = Engine(
-        model.weights,
-        model.cfg,
-        drafter=decoding.drafter,
-        num_draft_tokens=decoding.policy,
-        slots=slots,
-        max_context=context,
-        sampled=True,
-        eos_ids=model.eos_ids,
+    config = DecodeConfig(
+        drafter=args.drafter,
+        num_draft_tokens=args.num_draft_tokens,
+        tree=args.tree,
+        sampling=SamplingConfig(temperature=1.0),  # calibrated for sampled requests
+        rows=slots,
         prefill_chunk=args.prefill_chunk,
     )
+    engine = serving_engine(model, config, context)
     name = args.served_model_name or args.model
     status(
         f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots of {engine.num_slots} tokens, "
-        f"attention {attention_path(args.attention)})"
+        f"attention {attention_path(args.attention)}; {engine.compiled_programs} programs compiled)"
     )
     app = build_app(engine, model.tokenizer, name, default_max_tokens=args.max_new_tokens)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -20,13 +20,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.adaptive import Fixed, Policy, menu_shapes
+from specjax.adaptive import Adaptive, Fixed, Policy, menu_depths, menu_shapes
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import speculative
 from specjax.decoding.batch import (
@@ -39,12 +40,14 @@ from specjax.decoding.batch import (
     row_keys,
     to_host,
 )
+from specjax.decoding.stats import SpecStats
 from specjax.drafters.base import ChainDrafter, Drafter
 from specjax.errors import InputError
 from specjax.models.llama import Weights, chunk_size
 from specjax.sampling import Sampling
 
 DEFAULT_ROUNDS = 64  # rounds per `run` at most: how often a streaming client hears from a long row
+STEP_TOKENS = 128  # new tokens per row one `run` hands the host at most (`Emitted`)
 
 
 @jax.tree_util.register_dataclass
@@ -64,113 +67,168 @@ def row_axes(one_row, two_rows):
     return jax.tree.map(axis, one_row, two_rows)
 
 
-def put_row(state, one_row, axes, row: jax.Array):
-    """`state` with row `row` replaced by the one-row state's; whole-batch leaves keep `state`'s."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """What every engine program reads: the target's weights, the drafter and the policy (data; a learned policy or
+    another bucket's reuses the executable), and the options the programs compile for (static)."""
 
-    def put(full, one, axis):
-        return full if axis is None else jax.lax.dynamic_update_slice_in_dim(full, one, row, axis)
+    weights: Weights
+    drafter: Drafter
+    policy: Policy
+    cfg: ModelConfig = dataclasses.field(metadata=dict(static=True))
+    eos_ids: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    prefill_chunk: int = dataclasses.field(metadata=dict(static=True))
 
-    return jax.tree.map(put, state, one_row, axes)
+    @property
+    def capacity(self) -> int:
+        """Slots past S each row holds for the menu's largest draft (`speculative.Loop.capacity`)."""
+        return max(shape.capacity for shape in menu_shapes(self.drafter, self.policy.menu))
+
+    def loop(self, sampling: Sampling, max_new_b: jax.Array) -> speculative.Loop:
+        shapes = tuple(menu_shapes(self.drafter, self.policy.menu))
+        return speculative.Loop(
+            self.weights,
+            self.drafter,
+            self.policy,
+            sampling,
+            self.cfg,
+            shapes,
+            max_new_b,
+            self.eos_ids,
+            self.prefill_chunk,
+        )
+
+    def state_axes(self, width: int):
+        """The row axis of each leaf of a state whose prompts are `width` tokens wide (`row_axes`)."""
+
+        def shape_of(rows):
+            tokens, lengths = jnp.zeros((rows, width), jnp.int32), jnp.ones((rows,), jnp.int32)
+            loop = self.loop(Sampling.of(SamplingConfig(), rows), lengths)
+            keys = row_keys([0] * rows, rows, rows)
+            return jax.eval_shape(lambda: speculative.start(loop, tokens, lengths, keys, None, 1)[0])
+
+        return row_axes(shape_of(1), shape_of(2))
 
 
-def _loop(weights, drafter, policy, sampling, max_new_b, cfg, eos_ids, prefill_chunk) -> speculative.Loop:
-    shapes = tuple(menu_shapes(drafter, policy.menu))
-    return speculative.Loop(weights, drafter, policy, sampling, cfg, shapes, max_new_b, eos_ids, prefill_chunk)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A new request as the prefill programs take it: one row."""
+
+    tokens_1s: jax.Array  # [1, S] its prompt, right-padded
+    length_1: jax.Array  # [1] the prompt's tokens
+    max_new_1: jax.Array  # [1] its most new tokens
+    sampling_1: Sampling
 
 
-STATIC = ("cfg", "eos_ids", "prefill_chunk")
+def take_rows(state, axes, rows: int):
+    """The first `rows` rows of `state`; whole-batch leaves as they are."""
+
+    def take(x, axis):
+        return x if axis is None else jax.lax.slice_in_dim(x, 0, rows, axis=axis)
+
+    return jax.tree.map(take, state, axes)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC)
-def empty_state(weights, drafter, policy, tokens_bs, keys_b, sampling, *, cfg, eos_ids, prefill_chunk):
+def put_rows(state, part, axes, first, whole_from_part: bool = False):
+    """`state` with the rows from `first` on replaced by `part`'s; whole-batch leaves (counters, the policy's
+    evidence) are `part`'s if `whole_from_part`, else `state`'s."""
+
+    def put(full, rows, axis):
+        if axis is None:
+            return rows if whole_from_part else full
+        return jax.lax.dynamic_update_slice_in_dim(full, rows, first, axis)
+
+    return jax.tree.map(put, state, part, axes)
+
+
+@jax.jit
+def empty_state(decoder: Decoder, tokens_bs, keys_b, sampling):
     """The state of B free slots (every row finished) over S = tokens_bs.shape[1] slots."""
     B = tokens_bs.shape[0]
-    loop = _loop(weights, drafter, policy, sampling, jnp.ones((B,), jnp.int32), cfg, eos_ids, prefill_chunk)
+    loop = decoder.loop(sampling, jnp.ones((B,), jnp.int32))
     state, _ = speculative.start(loop, tokens_bs, jnp.ones((B,), jnp.int32), keys_b, jnp.zeros((B,), bool), 1)
     return state
 
 
-@functools.partial(jax.jit, static_argnames=STATIC)
-def begin(weights, drafter, policy, tokens_1s, length_1, max_new_1, sampling_1, *, cfg, eos_ids, prefill_chunk):
+@jax.jit
+def begin(decoder: Decoder, prompt: Prompt) -> speculative.Prefilled:
     """A new request's prefill before its first chunk: one row, apart from the batch (`speculative.begin_prefill`)."""
-    loop = _loop(weights, drafter, policy, sampling_1, max_new_1, cfg, eos_ids, prefill_chunk)
-    return speculative.begin_prefill(loop, tokens_1s, length_1, 1)
+    loop = decoder.loop(prompt.sampling_1, prompt.max_new_1)
+    return speculative.begin_prefill(loop, prompt.tokens_1s, prompt.length_1, 1)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("prefilled",))
-def prefill(
-    weights,
-    drafter,
-    policy,
-    prefilled,
-    tokens_1s,
-    length_1,
-    max_new_1,
-    sampling_1,
-    first,
-    end,
-    *,
-    cfg,
-    eos_ids,
-    prefill_chunk,
-):
-    """Chunks `first` to `end` (exclusive) of a new request's prompt [1, S] of `length_1` tokens."""
-    loop = _loop(weights, drafter, policy, sampling_1, max_new_1, cfg, eos_ids, prefill_chunk)
-    return speculative.prefill_and_commit(loop, prefilled, tokens_1s, length_1, 1, first, end)
+@functools.partial(jax.jit, donate_argnames=("prefilled",))
+def prefill(decoder: Decoder, prefilled: speculative.Prefilled, prompt: Prompt, first, end) -> speculative.Prefilled:
+    """Chunks `first` to `end` (exclusive) of a new request's prompt."""
+    loop = decoder.loop(prompt.sampling_1, prompt.max_new_1)
+    return speculative.prefill_and_commit(loop, prefilled, prompt.tokens_1s, prompt.length_1, 1, first, end)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
-def insert(
-    weights,
-    drafter,
-    policy,
-    state,
-    prefilled,
-    tokens_1s,
-    length_1,
-    max_new_1,
-    key_data_1,
-    fold_1,
-    sampling_1,
-    row,
-    *,
-    cfg,
-    eos_ids,
-    prefill_chunk,
-):
+@functools.partial(jax.jit, donate_argnames=("state",))
+def insert(decoder: Decoder, state, prefilled: speculative.Prefilled, prompt: Prompt, key_data_1, fold_1, row):
     """`state` with slot `row` holding a new request whose every chunk is prefilled: its first token sampled, its
     fresh row (cache, drafter and policy state) written over the slot. The row draws from its key, `fold_in(key_data_1,
     fold_1)` [1], from then on.
     """
     keys_1 = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_1), fold_1)
-    loop = _loop(weights, drafter, policy, sampling_1, max_new_1, cfg, eos_ids, prefill_chunk)
-    one, _ = speculative.after_prefill(loop, prefilled, tokens_1s, length_1, keys_1, None, 1)
-
-    def shape_of(rows):
-        tokens, lengths = jnp.zeros((rows, tokens_1s.shape[1]), jnp.int32), jnp.ones((rows,), jnp.int32)
-        sampling, keys = jax.tree.map(lambda x: jnp.repeat(x, rows, axis=0), (sampling_1, keys_1))
-        lo = _loop(weights, drafter, policy, sampling, lengths, cfg, eos_ids, prefill_chunk)
-        return jax.eval_shape(lambda: speculative.start(lo, tokens, lengths, keys, None, 1)[0])
-
-    return put_row(state, one, row_axes(shape_of(1), shape_of(2)), row)
+    loop = decoder.loop(prompt.sampling_1, prompt.max_new_1)
+    one, _ = speculative.after_prefill(loop, prefilled, prompt.tokens_1s, prompt.length_1, keys_1, None, 1)
+    return put_rows(state, one, decoder.state_axes(prompt.tokens_1s.shape[1]), row)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
-def run(weights, drafter, policy, state, max_new_b, sampling, max_rounds, *, cfg, eos_ids, prefill_chunk):
-    """Rounds until a row running at the start finishes (or every row is finished), at most `max_rounds`."""
-    loop = _loop(weights, drafter, policy, sampling, max_new_b, cfg, eos_ids, prefill_chunk)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Emitted:
+    """What one `run` hands the host (JetStream's ResultTokens): each row's new tokens, packed, not its buffer."""
+
+    tokens_pw: jax.Array  # [P, STEP_TOKENS] the tokens each row generated from its `streamed_p` on (pad after count)
+    count_p: jax.Array  # [P] how many
+    done_p: jax.Array  # [P] the row is finished
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def run(decoder: Decoder, state, streamed_p, max_new_p, sampling_p, max_rounds):
+    """Rounds over the state's P rows until a row running at the start finishes (or every one is finished),
+    `max_rounds` pass, or another round could take a row past STEP_TOKENS tokens since its `streamed_p` [P]; the state
+    and what the rows emitted (`Emitted`)."""
+    loop = decoder.loop(sampling_p, max_new_p)
     done_at_start = state.done_b
 
     def going(carry):
         s, rounds = carry
-        return ~jnp.any(s.done_b & ~done_at_start) & ~jnp.all(s.done_b) & (rounds < max_rounds)
+        room = jnp.max(jnp.where(s.done_b, 0, s.num_new_b - streamed_p)) + loop.depth + 1 <= STEP_TOKENS
+        return ~jnp.any(s.done_b & ~done_at_start) & ~jnp.all(s.done_b) & (rounds < max_rounds) & room
 
     def step(carry):
         s, rounds = carry
         return speculative.next_round(loop, s), rounds + 1
 
     state, _ = jax.lax.while_loop(going, step, (state, jnp.int32(0)))
-    return state
+    at = (state.length_b - state.num_new_b + streamed_p)[:, None] + jnp.arange(STEP_TOKENS)[None, :]
+    tokens = jnp.take_along_axis(state.tokens_bs, jnp.minimum(at, state.tokens_bs.shape[1] - 1), axis=1)
+    return state, Emitted(tokens, state.num_new_b - streamed_p, state.done_b)
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))  # no donation: the shapes change
+def resize(decoder: Decoder, state, free_1, *, rows: int):
+    """The state of `rows` rows: the state's first rows, then copies of the free slot `free_1` (a state of one row);
+    its whole-batch counters kept."""
+    axes = decoder.state_axes(free_1.tokens_bs.shape[1] - decoder.capacity)
+    have = state.done_b.shape[0]
+    if rows <= have:
+        return take_rows(state, axes, rows)
+
+    def grown(x, free, axis):
+        return x if axis is None else jnp.concatenate([x, jnp.repeat(free, rows - have, axis=axis)], axis=axis)
+
+    return jax.tree.map(grown, state, free_1, axes)
+
+
+def buckets(slots: int) -> list[int]:
+    """The row counts a `run` computes: the powers of two below `slots`, and `slots`."""
+    return [1 << i for i in range((slots - 1).bit_length()) if 1 << i < slots] + [slots]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +247,7 @@ class _Request:
     max_new: int
     sampling: SamplingConfig
     key: tuple[np.ndarray, int]  # its row's PRNG key: fold_in(key data, index)
-    streamed: int = 0  # tokens handed out in events so far
+    output: list[int] = dataclasses.field(default_factory=list)  # tokens handed out in events so far
 
 
 @dataclasses.dataclass
@@ -198,8 +256,8 @@ class _Prefill:
 
     request: _Request
     slot: int
-    inputs: tuple  # its tokens [1, S], length [1], max_new [1], sampling: what every prefill program takes
-    prefilled: tuple  # the one-row prefill so far (device arrays)
+    prompt: Prompt
+    prefilled: speculative.Prefilled  # so far (device arrays)
     next_chunk: int
     chunks: int
 
@@ -210,8 +268,12 @@ class Engine:
     Args:
       weights, cfg: the target.
       drafter: any `Drafter`; None: plain decoding.
-      num_draft_tokens: K or an adaptive menu, as `speculative_generate` takes (with a drafter).
-      slots: B, rows decoded together.
+      num_draft_tokens: K or an adaptive menu, as `speculative_generate` takes (with a drafter); or one policy per
+        bucket of rows (`buckets(slots)`), each with the same menu. An `Adaptive` policy learns from the bucket's
+        timed runs as a one-shot call's does (`Adaptive.learn`), and where it finds that drafting never pays, the
+        bucket runs plain steps.
+      slots: B, rows decoded together: each `run` computes the smallest bucket of slots, from the first, that holds
+        every live row, and a new request takes the lowest free slot.
       max_context: the longest prompt + max_new_tokens a request may ask for (S is the power of two above it).
       sampled: False: every request greedy (the greedy program); True: per-request sampling values (a request with
         temperature 0 is greedy inside it).
@@ -227,7 +289,7 @@ class Engine:
         cfg: ModelConfig,
         *,
         drafter: Drafter | None = None,
-        num_draft_tokens: int | Policy = 1,
+        num_draft_tokens: int | Policy | Mapping[int, Policy] = 1,
         slots: int = 8,
         max_context: int = 2048,
         sampled: bool = False,
@@ -240,46 +302,88 @@ class Engine:
             raise InputError(f"slots must be >= 1, got {slots}")
         if not 1 <= max_context <= cfg.max_position_embeddings:
             raise InputError(f"max_context must be in 1..{cfg.max_position_embeddings}, got {max_context}")
+        self.buckets = buckets(slots)
         if drafter is None:
-            drafter, policy = PlainSteps(), Fixed(0)
-        else:
-            policy = speculative.as_policy(num_draft_tokens)
-            speculative.check_inputs(cfg, drafter, policy)
+            drafter, num_draft_tokens = PlainSteps(), Fixed(0)
+        policies = (
+            num_draft_tokens if isinstance(num_draft_tokens, Mapping) else dict.fromkeys(self.buckets, num_draft_tokens)
+        )
+        if sorted(policies) != self.buckets:
+            raise InputError(f"give one policy for each bucket of rows {self.buckets}, got {sorted(policies)}")
+        self.policies = {rows: speculative.as_policy(p) for rows, p in policies.items()}
+        if len({p.menu for p in self.policies.values()}) > 1:
+            raise InputError(
+                f"every bucket's policy needs the same menu, got {[p.menu for p in self.policies.values()]}"
+            )
+        if not isinstance(drafter, PlainSteps):
+            for policy in self.policies.values():
+                speculative.check_inputs(cfg, drafter, policy)
         self.cfg, self.slots, self.sampled, self.refill = cfg, slots, sampled, refill
         self.num_slots = num_slots(cfg, max_context)
-        self.static = dict(
-            cfg=cfg,
-            eos_ids=tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids)),
-            prefill_chunk=chunk_size(prefill_chunk),
-        )
-        self.model = on_mesh((weights, drafter, policy))
+        eos_ids = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
+        self.decoder = Decoder(weights, drafter, self.policies[slots], cfg, eos_ids, chunk_size(prefill_chunk))
         self._seed_key = np.asarray(jax.random.key_data(row_keys([seed], 1, 1)))
         self.compile_seconds = 0.0  # spent compiling this engine's programs
+        self.compiled_programs = 0  # and how many it compiled
         self._ids = 0
         self.reset()
 
     def reset(self) -> None:
         """Every slot free and nothing queued (request ids go on counting)."""
-        tokens = jnp.zeros((self.slots, self.num_slots), jnp.int32)
-        keys = row_keys([0] * self.slots, self.slots, self.slots)
-        self.state = self._call(empty_state, tokens, keys, self._sampling([SamplingConfig()] * self.slots))
+        tokens = jnp.zeros((1, self.num_slots), jnp.int32)
+        free = (self.decoder, tokens, row_keys([0], 1, 1), self._sampling([SamplingConfig()]))
+        self._free = self._call(empty_state, *free)  # one free slot, what a growing state adds
+        self.state = self._call(empty_state, *free)  # the first `self.rows` slots; the others are free
         self._queue: collections.deque[_Request] = collections.deque()
         self._rows: list[_Request | None] = [None] * self.slots
         self._prefill: _Prefill | None = None
-        self.slot_rounds = collections.Counter()  # {"running": row-rounds of live rows, "idle": of free slots}
+        self._counts = to_host(self._counters(self.state))
+        # {"running": row-rounds of live rows, "idle": of free slots inside the bucket that ran}
+        self.slot_rounds = collections.Counter()
+        self.runs_by_rows = collections.Counter()  # `run` calls per bucket
 
-    def _call(self, fn, *args):
-        args = on_mesh((*self.model, *args))
-        executable, seconds = compiled(fn, args, self.static)  # on a mesh, once per sharding the state takes
+    @property
+    def rows(self) -> int:
+        """The slots the device state holds now, a bucket: every live row is among them."""
+        return int(self.state.done_b.shape[0])
+
+    def _resize(self, rows: int) -> None:
+        if rows != self.rows:
+            self.state = self._call(resize, self.decoder, self.state, self._free, rows=rows)
+
+    def _call(self, fn, *args, **static):
+        args = on_mesh(args)
+        executable, seconds = compiled(fn, args, static)  # on a mesh, once per sharding the state takes
         self.compile_seconds += seconds
+        self.compiled_programs += seconds > 0
         return executable(*args)
+
+    def warm(self) -> None:
+        """Compiles every program a stream of requests runs, so none compiles while it is served: each bucket's `run`
+        (called for no round over free slots) and `insert` (a one-token request that ends at its first token), the
+        prefill programs, and the resizes between buckets. Call it before any request."""
+        for rows in self.buckets:
+            for other in self.buckets:  # the resizes from `rows` to every other bucket and back
+                self._resize(rows)
+                self._resize(other)
+            self._resize(rows)
+            nothing = np.zeros((rows,), np.int32)
+            sampling = self._sampling([SamplingConfig()] * rows)
+            self.state, _ = self._call(run, self.decoder, self.state, nothing, nothing + 1, sampling, np.int32(0))
+            self.complete([[0]], 1)  # prefills and inserts over slot 0, then ends at its first token
+
+    @staticmethod
+    def _counters(state) -> tuple:
+        """The whole-batch figures a run's learning compares before and after (small)."""
+        return state.rounds, state.menu_rounds, state.accepted_hist, state.policy_state
 
     def _sampling(self, settings: Sequence[SamplingConfig]) -> Sampling:
         sampling = Sampling.of(list(settings), len(settings))
         return dataclasses.replace(sampling, greedy=not self.sampled)
 
     def idle_share(self) -> float:
-        """The share of slot-rounds so far that slots sat free (rows finished, or nothing queued to refill them)."""
+        """The share of the row-rounds computed so far whose slot was free (its row finished, or nothing queued to
+        refill it)."""
         return self.slot_rounds["idle"] / max(1, self.slot_rounds["idle"] + self.slot_rounds["running"])
 
     @property
@@ -331,32 +435,59 @@ class Engine:
         running = [i for i, r in enumerate(self._rows) if r is not None]
         if not running:
             return []
-        if self._prefill is not None:  # a prompt is being prefilled: one round between two of its chunks
-            max_rounds = 1
-        max_new = np.array([r.max_new if r else 1 for r in self._rows], np.int32)
-        sampling = self._sampling([r.sampling if r else SamplingConfig() for r in self._rows])
-        rounds_before = int(self.state.rounds)
-        self.state = self._call(run, self.state, max_new, sampling, np.int32(max_rounds))
-        tokens, length, num_new, done, rounds = to_host(
-            (self.state.tokens_bs, self.state.length_b, self.state.num_new_b, self.state.done_b, self.state.rounds)
-        )
-        ran = int(rounds) - rounds_before
+        if self._prefill is not None or any(not self._rows[i].output for i in running):
+            max_rounds = 1  # a prompt is being prefilled (one round between two of its chunks), or a first token waits
+        rows = next(b for b in self.buckets if b > running[-1])
+        self._resize(rows)
+        live = self._rows[:rows]
+        streamed = np.array([len(r.output) if r else 0 for r in live], np.int32)
+        max_new = np.array([r.max_new if r else 1 for r in live], np.int32)
+        sampling = self._sampling([r.sampling if r else SamplingConfig() for r in live])
+        decoder = dataclasses.replace(self.decoder, policy=self._policy(rows))
+        t0 = time.perf_counter()
+        self.state, emitted = self._call(run, decoder, self.state, streamed, max_new, sampling, np.int32(max_rounds))
+        emitted, counts = to_host((emitted, self._counters(self.state)))
+        self._learn(rows, decoder.policy, time.perf_counter() - t0, counts, emitted.count_p[running])
+        ran = int(counts[0] - self._counts[0])
+        self._counts = counts
+        self.runs_by_rows[rows] += 1
         self.slot_rounds["running"] += ran * len(running)
-        self.slot_rounds["idle"] += ran * (self.slots - len(running))
+        self.slot_rounds["idle"] += ran * (rows - len(running))
         events = []
         for i in running:
             r = self._rows[i]
-            start = length[i] - num_new[i]
-            new = [int(t) for t in tokens[i, start + r.streamed : start + num_new[i]]]
-            r.streamed = int(num_new[i])
+            new = [int(t) for t in emitted.tokens_pw[i, : emitted.count_p[i]]]
+            r.output += new
             completion = None
-            if done[i]:
-                ids = [int(t) for t in tokens[i, start : start + num_new[i]]]
-                reason = "stop" if ids and ids[-1] in self.static["eos_ids"] else "length"
-                completion = Completion(r.prompt, ids, reason)
+            if emitted.done_p[i]:
+                reason = "stop" if r.output and r.output[-1] in self.decoder.eos_ids else "length"
+                completion = Completion(r.prompt, r.output, reason)
                 self._rows[i] = None
             events.append(Event(r.id, new, completion))
         return events
+
+    def _policy(self, rows: int) -> Policy:
+        """The policy a run of `rows` rows decodes with: the bucket's, or its plain step alone where the bucket has
+        learned that drafting never pays."""
+        policy = self.policies[rows]
+        depths = menu_depths(self.decoder.drafter, policy.menu)
+        if isinstance(policy, Adaptive) and 0 in policy.menu and policy.never_drafts(depths):
+            return Adaptive.forcing(policy.menu, policy.menu.index(0), regimes=policy.prior.shape[0])
+        return policy
+
+    def _learn(self, rows: int, policy: Policy, seconds: float, counts: tuple, count_p: np.ndarray) -> None:
+        """The bucket's policy after a run that took `seconds` (`Adaptive.learn`, as a one-shot call learns)."""
+        (rounds, by_entry, hist, policy_state), (rounds0, by_entry0, hist0, policy_state0) = counts, self._counts
+        if not isinstance(policy, Adaptive) or policy is not self.policies[rows] or rounds == rounds0:
+            return  # a fixed K, the plain step that replaced a bucket's drafting, or no round
+        evidence = np.asarray(policy.evidence(policy_state)) - np.asarray(policy.evidence(policy_state0))
+        stats = dataclasses.replace(
+            SpecStats.from_histogram(int(rounds - rounds0), hist - hist0, int(count_p.sum()), seconds),
+            rounds_by_drafts={k: int(r) for k, r in zip(policy.menu, by_entry - by_entry0)},
+            acceptance_evidence=[tuple(e) for e in evidence.tolist()],
+            plain_steps=int(count_p.max()),
+        )
+        self.policies[rows] = policy.learn(stats)
 
     def cancel(self, request: int) -> bool:
         """Drops a queued request, or ends a running one and frees its slot (its row finishes where it is). Whether
@@ -388,31 +519,25 @@ class Engine:
                 self._prefill = self._begin(self._queue.popleft(), free[0])
             p = self._prefill
             end = p.chunks if not running or not self.refill else p.next_chunk + 1
-            p.prefilled = self._call(prefill, p.prefilled, *p.inputs, np.int32(p.next_chunk), np.int32(end))
+            p.prefilled = self._call(
+                prefill, self.decoder, p.prefilled, p.prompt, np.int32(p.next_chunk), np.int32(end)
+            )
             p.next_chunk = end
             if end < p.chunks:
                 return
             key_data, fold = p.request.key
-            tokens, length, max_new, sampling = p.inputs
+            fold = np.array([fold], np.int32)
+            self._resize(max(self.rows, next(b for b in self.buckets if b > p.slot)))
             self.state = self._call(
-                insert,
-                self.state,
-                p.prefilled,
-                tokens,
-                length,
-                max_new,
-                key_data,
-                np.array([fold], np.int32),
-                sampling,
-                np.int32(p.slot),
+                insert, self.decoder, self.state, p.prefilled, p.prompt, key_data, fold, np.int32(p.slot)
             )
             self._rows[p.slot], self._prefill = p.request, None
 
     def _begin(self, r: _Request, slot: int) -> _Prefill:
         tokens, length = pack_prompts([r.prompt], 1, self.num_slots)
-        inputs = (tokens, length, np.array([r.max_new], np.int32), self._sampling([r.sampling]))
-        chunks = -(-len(r.prompt) // chunk_size(self.static["prefill_chunk"], self.num_slots))
-        return _Prefill(r, slot, inputs, self._call(begin, *inputs), 0, chunks)
+        prompt = Prompt(tokens, length, np.array([r.max_new], np.int32), self._sampling([r.sampling]))
+        chunks = -(-len(r.prompt) // chunk_size(self.decoder.prefill_chunk, self.num_slots))
+        return _Prefill(r, slot, prompt, self._call(begin, self.decoder, prompt), 0, chunks)
 
     def events(self, max_rounds: int = DEFAULT_ROUNDS) -> Iterator[Event]:
         """Steps until the queue is empty and every slot free, yielding each step's events."""

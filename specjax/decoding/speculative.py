@@ -131,9 +131,16 @@ def start(loop: Loop, tokens_up, lengths_u, keys_b, active_b, num_samples: int) 
     return after_prefill(loop, prefilled, tokens_up, lengths_u, keys_b, active_b, num_samples)
 
 
-def begin_prefill(loop: Loop, tokens_up, lengths_u, num_samples: int) -> tuple:
-    """A prefill before its first chunk: (logits [U, V], (the drafter's state [B], the last prompt position's taps
-    [B, F] or None), the target's empty cache [U])."""
+class Prefilled(NamedTuple):
+    """A prefill so far (`begin_prefill`, `prefill_and_commit`)."""
+
+    logits_uv: jax.Array  # [U, V] the logits at each prompt's last position, once its chunk is in
+    seen: tuple  # (the drafter's state [B], the last prompt position's taps [B, F] or None)
+    cache: KVCache  # the target's [U]
+
+
+def begin_prefill(loop: Loop, tokens_up, lengths_u, num_samples: int) -> Prefilled:
+    """A prefill before its first chunk: zero logits, the drafter's fresh state and the target's empty cache."""
     U, P = tokens_up.shape
     B, taps = U * num_samples, loop.drafter.traits.tap_layers
     tokens_bp, lengths_b = (jnp.repeat(x, num_samples, axis=0) for x in (tokens_up, lengths_u))
@@ -141,10 +148,12 @@ def begin_prefill(loop: Loop, tokens_up, lengths_u, num_samples: int) -> tuple:
     draft_state = jax.lax.optimization_barrier(loop.drafter.init(tokens_bp, lengths_b, P + loop.capacity))
     cache = jax.lax.optimization_barrier(KVCache.empty(loop.cfg, U, P + loop.capacity, loop.weights.embed.dtype))
     last0 = jnp.zeros((B, len(taps) * loop.cfg.hidden_size), loop.weights.embed.dtype) if taps else None
-    return jnp.zeros((U, loop.cfg.vocab_size), jnp.float32), (draft_state, last0), cache
+    return Prefilled(jnp.zeros((U, loop.cfg.vocab_size), jnp.float32), (draft_state, last0), cache)
 
 
-def prefill_and_commit(loop: Loop, prefilled: tuple, tokens_up, lengths_u, num_samples: int, first, end) -> tuple:
+def prefill_and_commit(
+    loop: Loop, prefilled: Prefilled, tokens_up, lengths_u, num_samples: int, first, end
+) -> Prefilled:
     """Prefill chunks `first` to `end` (exclusive) of the prompts, each committed by the drafter as it is made."""
     U, P = tokens_up.shape
     C = chunk_size(loop.prefill_chunk, P)
@@ -162,21 +171,22 @@ def prefill_and_commit(loop: Loop, prefilled: tuple, tokens_up, lengths_u, num_s
         return loop.drafter.commit(draft_state, next_bc, taps_bcf, jnp.clip(at_b, 0, C)), last_bf
 
     tokens_up = constrain(tokens_up, ("batch", None))  # rows over the data axis of a mesh
-    return llama.prefill_chunks(
+    carry = llama.prefill_chunks(
         loop.weights,
         loop.cfg,
         tokens_up,
         lengths_u,
-        prefilled,
+        tuple(prefilled),
         first,
         end,
         C,
         loop.drafter.traits.tap_layers,
         commit_chunk,
     )
+    return Prefilled(*carry)
 
 
-def after_prefill(loop: Loop, prefilled: tuple, tokens_up, lengths_u, keys_b, active_b, num_samples: int):
+def after_prefill(loop: Loop, prefilled: Prefilled, tokens_up, lengths_u, keys_b, active_b, num_samples: int):
     """The state once every chunk is in: the first token sampled from the last prompt position's logits, and
     committed; the prompt's N samples given adjacent rows. Returns (state, the rows' prompt lengths)."""
     U, P = tokens_up.shape

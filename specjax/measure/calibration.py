@@ -1,10 +1,10 @@
 """Calibration of adaptive menus: what a round of each menu entry costs on this machine, in plain decoding steps.
 
-`calibrated` builds the `Adaptive` menu that `num_draft_tokens="auto"` runs: the default draft sizes and their
-costs, each derived from a few short timings (`round_seconds`: the target forward by token count, the drafter's
-round), measured once per machine, model shapes, drafter, batch and greedy-or-sampled
-(`specjax.host.cached_measurement`), fitted non-decreasing, and only the entries that are the best choice at some
-acceptance rate kept. The estimate leaves out the loop's own work; the calls' timed rounds correct it
+`calibrated` builds the `Adaptive` menu that `num_draft_tokens="auto"` runs, and `calibrated_by_rows` one per bucket of
+an engine's rows: the default draft sizes and their costs, each derived from a few short timings (`round_seconds`: the
+target forward by token count, the drafter's round), measured once per machine, model shapes, drafter, batch and
+greedy-or-sampled (`specjax.host.cached_measurement`), fitted non-decreasing, and only the entries that are the best
+choice at some acceptance rate kept. The estimate leaves out the loop's own work; the calls' timed rounds correct it
 (`Adaptive.learn`).
 """
 
@@ -106,27 +106,47 @@ def calibrated(
     batch: int,
     sampling: SamplingConfig,
 ) -> Adaptive:
-    """Adaptive drafting's menu: the default menu up to `max_draft_tokens` (a tree drafter: a plain step or its tree;
-    no plain step for a drafter that cannot follow one), its costs in plain steps (`round_seconds`, measured
-    once and then read from `$SPECJAX_CACHE/calibration`, fitted `non_decreasing`), and only the useful entries. The
-    menu keeps the seconds of a plain step and of the prefill, so each call's timing can correct the costs."""
+    """Adaptive drafting's menu for calls of `batch` rows (`calibrated_by_rows`)."""
+    return calibrated_by_rows(weights, cfg, drafter, max_draft_tokens, rows=[batch], sampling=sampling)[batch]
+
+
+def calibrated_by_rows(
+    weights: Weights,
+    cfg: ModelConfig,
+    drafter: Drafter,
+    max_draft_tokens: int,
+    *,
+    rows: Sequence[int],
+    sampling: SamplingConfig,
+) -> dict[int, Adaptive]:
+    """Adaptive drafting's menu for runs of each of `rows` (an engine's buckets): the default menu up to
+    `max_draft_tokens` (a tree drafter: a plain step or its tree; no plain step for a drafter that cannot follow one),
+    its costs in plain steps of that many rows (`round_seconds`, measured once and then read from
+    `$SPECJAX_CACHE/calibration`, fitted `non_decreasing`), and the entries useful at any of them, one menu for all.
+    Each keeps the seconds of a plain step and of the prefill, so each call's timing can correct its costs."""
     if drafter.draft_shape(1) != TreeSpec.chain(1):  # a tree drafter: its own tree whatever K, named by its depth
         sizes = [drafter.draft_shape(max_draft_tokens).depth]
     else:
         sizes = sorted({k for k in ADAPTIVE_MENU if k < max_draft_tokens} | {max_draft_tokens})
     menu = ([0] if drafter.traits.plain_rounds else []) + sizes
-    signature = calibration_signature(weights, cfg, drafter, menu, batch, sampling.greedy)
+    depths = menu_depths(drafter, menu)
+    timed, cost = {}, {}
+    for batch in rows:
+        signature = calibration_signature(weights, cfg, drafter, menu, batch, sampling.greedy)
 
-    def measure() -> dict:
-        status(f"calibrating adaptive drafting (draft sizes {menu}, batch {batch}): once on this machine")
-        return round_seconds(weights, cfg, drafter, menu, batch=batch, sampling=sampling)
+        def measure(batch=batch) -> dict:
+            status(f"calibrating adaptive drafting (draft sizes {menu}, batch {batch}): once on this machine")
+            return round_seconds(weights, cfg, drafter, menu, batch=batch, sampling=sampling)
 
-    timed = cached_measurement("calibration", signature, measure)
-    cost = non_decreasing([s / timed["step_s"] for s in timed["round_s"]])
-    keep = useful_entries(menu, menu_depths(drafter, menu), cost)
-    return Adaptive.of(
-        [menu[i] for i in keep],
-        [cost[i] for i in keep],
-        regimes=drafter.traits.regimes,
-        clock=(timed["step_s"], timed["prefill_token_s"]),
-    )
+        timed[batch] = cached_measurement("calibration", signature, measure)
+        cost[batch] = non_decreasing([s / timed[batch]["step_s"] for s in timed[batch]["round_s"]])
+    keep = sorted({i for batch in rows for i in useful_entries(menu, depths, cost[batch])})
+    return {
+        batch: Adaptive.of(
+            [menu[i] for i in keep],
+            [cost[batch][i] for i in keep],
+            regimes=drafter.traits.regimes,
+            clock=(timed[batch]["step_s"], timed[batch]["prefill_token_s"]),
+        )
+        for batch in rows
+    }
