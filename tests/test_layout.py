@@ -131,8 +131,9 @@ def names_in(path: Path) -> set[str]:
 def test_the_decoding_tools_set_decoding_up_by_the_one_library_call():
     for path in (ROOT / "cli").glob("*.py"):
         assert not names_in(path) & SETUP_STEPS, (path.name, names_in(path) & SETUP_STEPS)
-    for tool in ("generate", "serve", "bench"):
+    for tool in ("generate", "bench"):
         assert "prepare_decoding" in names_in(ROOT / "cli" / f"{tool}.py"), tool
+    assert "serving_engine" in names_in(ROOT / "cli" / "serve.py")  # prepare_decoding for each bucket of slots
 
 
 def test_the_layout_check_sees_an_upward_import():
