@@ -177,7 +177,10 @@ class Adaptive:
     ) -> jax.Array:
         """The entry that ends the batch soonest (`soonest_entry`), at each row's estimate for its kind of round."""
         rate_b = jnp.take_along_axis(rates(self, state.tally_brc), regime_b[:, None], axis=1)[:, 0]
-        return soonest_entry(self, depths, rate_b, paces(state.pace_b2), remaining_b)
+        pace_b = paces(state.pace_b2)
+        if 0 in self.menu:  # a row can always go on in plain steps: its pace ahead is no slower than theirs
+            pace_b = jnp.minimum(pace_b, self.prices[self.menu.index(0)])
+        return soonest_entry(self, depths, rate_b, pace_b, remaining_b)
 
     def observe(self, state: AdaptiveState, entry: int, depth: int, regime_b, n_b, count_b, running_b) -> AdaptiveState:
         """The state after a round of menu entry `entry` (static), `depth` deep, that accepted n_b drafts and emitted

@@ -169,13 +169,15 @@ def prefill(decoder: Decoder, prefilled: speculative.Prefilled, prompt: Prompt, 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def insert(decoder: Decoder, state, prefilled: speculative.Prefilled, prompt: Prompt, key_data_1, fold_1, row):
     """`state` with slot `row` holding a new request whose every chunk is prefilled: its first token sampled, its
-    fresh row (cache, drafter and policy state) written over the slot. The row draws from its key, `fold_in(key_data_1,
-    fold_1)` [1], from then on.
+    fresh row (cache, drafter and policy state) written over the slot; and that token (`Emitted`, one row). The row
+    draws from its key, `fold_in(key_data_1, fold_1)` [1], from then on.
     """
     keys_1 = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_1), fold_1)
     loop = decoder.loop(prompt.sampling_1, prompt.max_new_1)
     one, _ = speculative.after_prefill(loop, prefilled, prompt.tokens_1s, prompt.length_1, keys_1, None, 1)
-    return put_rows(state, one, decoder.state_axes(prompt.tokens_1s.shape[1]), row)
+    first = jnp.take_along_axis(one.tokens_bs, prompt.length_1[:, None], axis=1)
+    state = put_rows(state, one, decoder.state_axes(prompt.tokens_1s.shape[1]), row)
+    return state, Emitted(first, one.num_new_b, one.done_b)
 
 
 @jax.tree_util.register_dataclass
@@ -270,8 +272,8 @@ class Engine:
       drafter: any `Drafter`; None: plain decoding.
       num_draft_tokens: K or an adaptive menu, as `speculative_generate` takes (with a drafter); or one policy per
         bucket of rows (`buckets(slots)`), each with the same menu. An `Adaptive` policy learns from the bucket's
-        timed runs as a one-shot call's does (`Adaptive.learn`), and where it finds that drafting never pays, the
-        bucket runs plain steps.
+        timed runs as a one-shot call's does (`Adaptive.learn`); where its track record shows drafting losing to the
+        engine's own plain steps, the bucket runs plain steps.
       slots: B, rows decoded together: each `run` computes the smallest bucket of slots, from the first, that holds
         every live row, and a new request takes the lowest free slot.
       max_context: the longest prompt + max_new_tokens a request may ask for (S is the power of two above it).
@@ -431,12 +433,12 @@ class Engine:
     def step(self, max_rounds: int = DEFAULT_ROUNDS) -> list[Event]:
         """Fills free slots from the queue, runs rounds until a row finishes (at most `max_rounds`) and returns each
         running request's new tokens, with the completions of those that finished."""
-        self._fill()
+        firsts = self._fill()
         running = [i for i, r in enumerate(self._rows) if r is not None]
-        if not running:
-            return []
-        if self._prefill is not None or any(not self._rows[i].output for i in running):
-            max_rounds = 1  # a prompt is being prefilled (one round between two of its chunks), or a first token waits
+        if firsts or not running:
+            return firsts  # a new request's first token goes out before any round
+        if self._prefill is not None:  # a prompt is being prefilled: one round between two of its chunks
+            max_rounds = 1
         rows = next(b for b in self.buckets if b > running[-1])
         self._resize(rows)
         live = self._rows[:rows]
@@ -447,45 +449,51 @@ class Engine:
         t0 = time.perf_counter()
         self.state, emitted = self._call(run, decoder, self.state, streamed, max_new, sampling, np.int32(max_rounds))
         emitted, counts = to_host((emitted, self._counters(self.state)))
-        self._learn(rows, decoder.policy, time.perf_counter() - t0, counts, emitted.count_p[running])
+        self._learn(rows, time.perf_counter() - t0, counts, emitted.count_p[running])
         ran = int(counts[0] - self._counts[0])
         self._counts = counts
         self.runs_by_rows[rows] += 1
         self.slot_rounds["running"] += ran * len(running)
         self.slot_rounds["idle"] += ran * (rows - len(running))
-        events = []
-        for i in running:
-            r = self._rows[i]
-            new = [int(t) for t in emitted.tokens_pw[i, : emitted.count_p[i]]]
-            r.output += new
-            completion = None
-            if emitted.done_p[i]:
-                reason = "stop" if r.output and r.output[-1] in self.decoder.eos_ids else "length"
-                completion = Completion(r.prompt, r.output, reason)
-                self._rows[i] = None
-            events.append(Event(r.id, new, completion))
-        return events
+        return [self._emit(i, emitted, i) for i in running]
+
+    def _emit(self, slot: int, emitted: Emitted, row: int) -> Event:
+        """The event of the request in `slot` from its `row` of `emitted`; a finished request leaves its slot."""
+        r = self._rows[slot]
+        new = [int(t) for t in emitted.tokens_pw[row, : emitted.count_p[row]]]
+        r.output += new
+        completion = None
+        if emitted.done_p[row]:
+            reason = "stop" if r.output[-1] in self.decoder.eos_ids else "length"
+            completion = Completion(r.prompt, r.output, reason)
+            self._rows[slot] = None
+        return Event(r.id, new, completion)
 
     def _policy(self, rows: int) -> Policy:
-        """The policy a run of `rows` rows decodes with: the bucket's, or its plain step alone where the bucket has
-        learned that drafting never pays."""
+        """The policy a run of `rows` rows decodes with: the bucket's, or its plain step alone where the bucket's
+        track record says that its drafting lost to its plain steps (`Adaptive.never_drafts`)."""
         policy = self.policies[rows]
         depths = menu_depths(self.decoder.drafter, policy.menu)
         if isinstance(policy, Adaptive) and 0 in policy.menu and policy.never_drafts(depths):
             return Adaptive.forcing(policy.menu, policy.menu.index(0), regimes=policy.prior.shape[0])
         return policy
 
-    def _learn(self, rows: int, policy: Policy, seconds: float, counts: tuple, count_p: np.ndarray) -> None:
-        """The bucket's policy after a run that took `seconds` (`Adaptive.learn`, as a one-shot call learns)."""
+    def _learn(self, rows: int, seconds: float, counts: tuple, count_p: np.ndarray) -> None:
+        """The bucket's policy after a run that took `seconds` (`Adaptive.learn`, as a one-shot call learns from its
+        call): a run of plain steps alone times the plain step (the clock its costs are relative to)."""
         (rounds, by_entry, hist, policy_state), (rounds0, by_entry0, hist0, policy_state0) = counts, self._counts
-        if not isinstance(policy, Adaptive) or policy is not self.policies[rows] or rounds == rounds0:
-            return  # a fixed K, the plain step that replaced a bucket's drafting, or no round
+        policy = self.policies[rows]
+        if not isinstance(policy, Adaptive) or rounds == rounds0:
+            return  # a fixed K, or no round
+        by_entry = dict(zip(policy.menu, (by_entry - by_entry0).tolist()))
         evidence = np.asarray(policy.evidence(policy_state)) - np.asarray(policy.evidence(policy_state0))
+        drafted = any(n for k, n in by_entry.items() if k)  # else the run times the plain step alone
         stats = dataclasses.replace(
             SpecStats.from_histogram(int(rounds - rounds0), hist - hist0, int(count_p.sum()), seconds),
-            rounds_by_drafts={k: int(r) for k, r in zip(policy.menu, by_entry - by_entry0)},
-            acceptance_evidence=[tuple(e) for e in evidence.tolist()],
-            plain_steps=int(count_p.max()),
+            rounds_by_drafts=by_entry,
+            acceptance_evidence=[tuple(e) for e in evidence.tolist()] if drafted else [],
+            # what plain decoding would take here: the engine's own plain steps, at their learned cost
+            plain_steps=int(count_p.max()) * (float(policy.cost[policy.menu.index(0)]) if 0 in policy.menu else 1.0),
         )
         self.policies[rows] = policy.learn(stats)
 
@@ -506,16 +514,18 @@ class Engine:
                 return True
         return False
 
-    def _fill(self) -> None:
-        """Prefills queued requests into free slots: whole while no row runs, else one chunk per call."""
+    def _fill(self) -> list[Event]:
+        """Prefills queued requests into free slots: whole while no row runs, else one chunk per call. The events of
+        the requests it inserted: each one's first token."""
+        firsts = []
         if not self.refill and self.busy:
-            return  # static batches: a new batch once every slot is free, prefilled whole
+            return firsts  # static batches: a new batch once every slot is free, prefilled whole
         while True:
             running = self.busy - (self._prefill is not None)
             if self._prefill is None:
                 free = [i for i, r in enumerate(self._rows) if r is None]
                 if not free or not self._queue:
-                    return
+                    return firsts
                 self._prefill = self._begin(self._queue.popleft(), free[0])
             p = self._prefill
             end = p.chunks if not running or not self.refill else p.next_chunk + 1
@@ -524,14 +534,15 @@ class Engine:
             )
             p.next_chunk = end
             if end < p.chunks:
-                return
+                return firsts
             key_data, fold = p.request.key
             fold = np.array([fold], np.int32)
             self._resize(max(self.rows, next(b for b in self.buckets if b > p.slot)))
-            self.state = self._call(
+            self.state, first = self._call(
                 insert, self.decoder, self.state, p.prefilled, p.prompt, key_data, fold, np.int32(p.slot)
             )
             self._rows[p.slot], self._prefill = p.request, None
+            firsts.append(self._emit(p.slot, to_host(first), 0))
 
     def _begin(self, r: _Request, slot: int) -> _Prefill:
         tokens, length = pack_prompts([r.prompt], 1, self.num_slots)
