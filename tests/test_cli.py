@@ -260,8 +260,8 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven red birds sing".s
 
 
 def test_many_requests_compile_few_programs_and_decode_as_each_alone(save_tiny_llama, tmp_path, caplog):
-    """20 requests of 5..290 prompt tokens and 2..12 new tokens through 4 slots that refill, in one process: five
-    programs per mode (the engine's), and each request's greedy output is what it gets decoded alone."""
+    """20 requests of 5..290 prompt tokens and 2..12 new tokens through 4 slots that refill, in one process: a few
+    programs per mode and bucket of slots (the engine's), and each request's greedy output is what it gets decoded alone."""
     folder = tmp_path / "model"
     save_tiny_llama(folder, 2, max_len=1024)
     lines = [
@@ -298,13 +298,10 @@ def test_many_requests_compile_few_programs_and_decode_as_each_alone(save_tiny_l
         report = json.loads(out.read_text())
         new = {name: n - before.get(name, 0) for name, n in batch.compilations().items()}
         assert report["compilations"] == batch.compilations()
-        assert {name: n for name, n in new.items() if n} == {
-            "empty_state": 1,
-            "begin": 1,
-            "prefill": 1,
-            "insert": 1,
-            "run": 1,
-        }
+        new = {name: n for name, n in new.items() if n}
+        # a run and an insert per bucket of slots (1, 2, 4) at most, resizes between them
+        assert new.pop("run") <= 3 and new.pop("insert") <= 3 and new.pop("resize", 0) <= 6
+        assert new == {"empty_state": 1, "begin": 1, "prefill": 1}
         stats = report["results"][0]["stats"]
         assert stats["slots"] == 4 and 0 <= stats["idle_slot_share"] < 1
         assert stats.get("identical_to_ar", True) and (drafter == "none") == ("speedup_vs_ar" not in stats)
