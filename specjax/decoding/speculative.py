@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -297,6 +297,20 @@ def write_back(loop: Loop, before: SpecState, after: SpecState, path: Path) -> S
     )
 
 
+def switch_in_halves(index: jax.Array, branches: Sequence[Callable], *operands):
+    """`lax.switch` as a tree of two-way conditionals: XLA's CPU backend runs a many-way conditional over the loop's
+    state markedly slower than two-way ones (a menu of six: 13% of a plain step of 4 rows, where two cost nothing)."""
+    if len(branches) == 1:
+        return branches[0](*operands)
+    half = len(branches) // 2
+    return jax.lax.cond(
+        index < half,
+        lambda *o: switch_in_halves(index, branches[:half], *o),
+        lambda *o: switch_in_halves(index - half, branches[half:], *o),
+        *operands,
+    )
+
+
 def next_round(loop: Loop, s: SpecState) -> SpecState:
     """One round: the policy picks its menu entry, whose draft is verified and accepted, then written back."""
     depths = [shape.depth for shape in loop.shapes]
@@ -304,7 +318,7 @@ def next_round(loop: Loop, s: SpecState) -> SpecState:
     remaining_b = jnp.where(s.done_b, 0, loop.max_new_b - s.num_new_b)
     entry = loop.policy.choose(s.policy_state, depths, regime_b, remaining_b)
     rounds = [functools.partial(draft_verify_accept, loop, entry) for entry in range(len(loop.shapes))]
-    after, path = jax.lax.switch(entry, rounds, s, regime_b)
+    after, path = switch_in_halves(entry, rounds, s, regime_b)
     return write_back(loop, s, after, path)
 
 
