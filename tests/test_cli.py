@@ -261,7 +261,7 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven red birds sing".s
 
 def test_many_requests_compile_few_programs_and_decode_as_each_alone(save_tiny_llama, tmp_path, caplog):
     """20 requests of 5..290 prompt tokens and 2..12 new tokens through 4 slots that refill, in one process: a few
-    programs per mode and bucket of slots (the engine's), and each request's greedy output is what it gets decoded alone."""
+    programs per mode and bucket of slots (the engine's), and each request's greedy output is what it gets alone."""
     folder = tmp_path / "model"
     save_tiny_llama(folder, 2, max_len=1024)
     lines = [

@@ -13,6 +13,7 @@ from drafters_fixture import drafter_cases, drafter_params
 from specjax.adaptive import Adaptive
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import batch, speculative
+from specjax.decoding import engine as engine_module
 from specjax.decoding.autoregressive import generate
 from specjax.decoding.engine import Engine
 from specjax.drafters import ModelDrafter, NgramDrafter
@@ -162,10 +163,11 @@ def test_a_stream_of_requests_compiles_a_few_programs_per_bucket_and_static_batc
 
 
 @pytest.mark.parametrize("step_s,drafts", [(1e-6, False), (3600.0, True)], ids=["drafting-loses", "drafting-wins"])
-def test_each_bucket_learns_from_its_timed_runs_whether_drafting_pays(step_s, drafts):
+def test_each_bucket_learns_from_its_timed_runs_whether_drafting_pays(step_s, drafts, monkeypatch):
     """An adaptive policy's clock says what a plain step of the bucket takes: a microsecond makes every timed run a
     loss against plain decoding, so the bucket learns to run plain steps; an hour makes every run a win, so it keeps
-    drafting. Either way each greedy output is the prompt's alone."""
+    drafting. Either way each greedy output is the prompt's alone. (The verdict is allowed from the first run here.)"""
+    monkeypatch.setattr(engine_module, "VERDICT_STEPS", 1)
     policy = Adaptive.of([0, 3], [1.0, 1.2], clock=(step_s, 0.0))
     engine = Engine(WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=policy, slots=2, max_context=64)
     drafting_rounds = []

@@ -48,6 +48,9 @@ from specjax.sampling import Sampling
 
 DEFAULT_ROUNDS = 64  # rounds per `run` at most: how often a streaming client hears from a long row
 STEP_TOKENS = 128  # new tokens per row one `run` hands the host at most (`Emitted`)
+# The plain steps a bucket's drafting runs must have saved or lost before its track record may turn drafting off: a
+# few requests' worth, as a one-shot call judges a whole call, not its first rounds.
+VERDICT_STEPS = 256
 
 
 @jax.tree_util.register_dataclass
@@ -471,10 +474,12 @@ class Engine:
 
     def _policy(self, rows: int) -> Policy:
         """The policy a run of `rows` rows decodes with: the bucket's, or its plain step alone where the bucket's
-        track record says that its drafting lost to its plain steps (`Adaptive.never_drafts`)."""
+        track record, once it holds VERDICT_STEPS, says that its drafting lost to its plain steps
+        (`Adaptive.never_drafts`)."""
         policy = self.policies[rows]
-        depths = menu_depths(self.decoder.drafter, policy.menu)
-        if isinstance(policy, Adaptive) and 0 in policy.menu and policy.never_drafts(depths):
+        if not isinstance(policy, Adaptive) or 0 not in policy.menu or policy.track_record[0] < VERDICT_STEPS:
+            return policy
+        if policy.never_drafts(menu_depths(self.decoder.drafter, policy.menu)):
             return Adaptive.forcing(policy.menu, policy.menu.index(0), regimes=policy.prior.shape[0])
         return policy
 
