@@ -1,16 +1,21 @@
 """Slots that refill: continuous batching on the speculative loop's fixed shapes.
 
-An `Engine` holds one decode state (`SpecState`) of B rows, its slots, of S KV slots each, and a queue of requests.
-Device programs, each compiled once per (B, S, drafter options, greedy or sampled):
+An `Engine` has B slots of S KV slots each and a queue of requests. A new request takes the lowest free slot; the
+device state (`SpecState`) holds the first P slots, P the smallest bucket (1, 2, 4, ... up to B) that holds every live
+row, so one request computes one row. Device programs, each compiled once per (bucket, S, drafter options, greedy or
+sampled), all taking the `Decoder` (weights, drafter, policy):
   begin, prefill  a new request's prompt, a few chunks at a time, into a one-row prefill of its own (target cache,
                   the drafter's commits);
-  insert          its first token sampled and that row (cache, drafter state, the policy's per-row state) written
-                  over a free slot of the batch state;
-  run             rounds of the loop (`speculative.next_round`) until a running row finishes, or `max_rounds` pass.
-Between programs the host streams each row's new tokens, takes finished rows' completions and inserts queued
-requests into the freed slots (JetStream's prefill / insert / generate split). While rows are running, a new prompt
-is prefilled one chunk per round of theirs, so a long prompt never stalls them for its whole prefill. Shapes never
-change, so nothing compiles again as requests come and go. Rows do not interact: a row's tokens depend on its own
+  insert          its first token sampled, handed out at once, and that row (cache, drafter state, the policy's
+                  per-row state) written over its slot;
+  run             rounds of the loop (`speculative.next_round`) until a running row finishes, or `max_rounds` pass;
+                  the rows' new tokens come back packed (`Emitted`);
+  resize          the state moved to another bucket when the live rows outgrow it or leave it.
+Between programs the host streams each row's new tokens, takes finished rows' completions, inserts queued requests
+into the freed slots (JetStream's prefill / insert / generate split) and lets each bucket's adaptive policy learn from
+its timed run. While rows are running, a new prompt is prefilled one chunk per round of theirs, so a long prompt never
+stalls them for its whole prefill. Only the buckets' programs exist, so nothing compiles again as requests come and
+go once each has run (`Engine.warm` compiles them first). Rows do not interact: a row's tokens depend on its own
 request alone (its prompt, limit, sampling values and key), so greedy output equals the prompt decoded alone. Plain
 decoding is the same loop with every round a plain step (`Fixed(0)`, a drafter that never drafts).
 """
