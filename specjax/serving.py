@@ -1,11 +1,12 @@
 """An OpenAI-compatible HTTP server over the refilling engine (`specjax.decoding.engine`).
 
 One thread owns the engine: it takes new requests and cancellations from a queue, steps the engine a few rounds at a
-time, and hands each request's new tokens to the request's handler on the event loop. Handlers turn tokens into text
-(held back while it could still become a stop string), stream it as server-sent events or answer once, and cancel
-their request when the client goes away, which frees its slot. Routes: `/v1/completions`, `/v1/chat/completions`
-(the checkpoint's chat template), `/v1/models`, `/health`, `/metrics` (Prometheus text). A bad request gets an
-OpenAI-shaped error and a 4xx; the engine thread survives any request.
+time, and hands each request's new tokens to the request's handler on the event loop. A handler checks its request
+(`specjax.protocol`) and waits for the engine to queue it before it answers, so a refused request gets a 4xx even when
+streamed; then it turns tokens into text (held back while it could still become a stop string), streams it as
+server-sent events or answers once, and cancels its request when the client goes away, which frees its slot. Routes:
+`/v1/completions`, `/v1/chat/completions` (the checkpoint's chat template), `/v1/models`, `/health`, `/metrics`
+(Prometheus text, `specjax.server_metrics`). Every error is OpenAI-shaped JSON; the engine thread survives any request.
 """
 
 from __future__ import annotations
@@ -13,43 +14,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
-import math
+import hmac
 import queue
 import socket
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 
-import numpy as np
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specjax.config import SamplingConfig
 from specjax.decoding.engine import Engine, Event
-from specjax.decoding.stats import acceptance
 from specjax.errors import InputError
-from specjax.io.tokenizer import Tokenizer, check_text
+from specjax.io.tokenizer import Tokenizer
+from specjax.protocol import APIError, Params, Reply, TextStream, body_of, event, params_of, prompt_ids, usage
+from specjax.server_metrics import ServerMetrics, engine_counters
 
 ROUNDS_PER_STEP = 4  # engine rounds between two looks at new requests and cancellations
-MAX_STOP_STRINGS = 4
-
-
-class BadRequest(Exception):
-    """A request the server refuses: its HTTP status, message, OpenAI error type and the parameter at fault."""
-
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
-
-
-def error_response(e: BadRequest) -> JSONResponse:
-    body = {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": None}}
-    return JSONResponse(body, status_code=e.status)
+DISCONNECT_POLL_S = 0.5  # how often an answer that is not streamed checks that its client is still there
 
 
 @dataclasses.dataclass
@@ -60,23 +49,33 @@ class Job:
     max_tokens: int
     sampling: SamplingConfig
     seed: int | None
-    events: asyncio.Queue  # Event, or an Exception that ended it
     loop: asyncio.AbstractEventLoop
+    queued: asyncio.Future = dataclasses.field(init=False)  # done once the engine queued it; raises its refusal
+    events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)  # Event, or the APIError that ended it
     id: int | None = None  # the engine's, once submitted
+
+    def __post_init__(self):
+        self.queued = self.loop.create_future()
+
+
+def _settle(future: asyncio.Future, error: Exception | None) -> None:
+    """Ends a job's wait for the engine (on the event loop): queued, or refused with `error`."""
+    if future.done():  # its handler has gone
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 class EngineThread:
     """Runs the engine on its own thread; `submit` and `cancel` may be called from anywhere."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, metrics: ServerMetrics):
+        self.engine, self.metrics = engine, metrics
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}
-        self.tokens = 0  # generated, over the server's life
-        self.mean_accepted = 0.0  # tokens per row-round, over the server's life
-        self.accepted_hist = np.zeros((1,), np.int64)  # row-rounds that accepted 0..D drafts, over the server's life
-        self.recent: list[tuple[float, int]] = []  # (time, tokens) of the last minute's steps
-        self.requests = 0
+        metrics.baseline(engine_counters(engine))
         self._thread = threading.Thread(target=self._run, name="specjax-engine", daemon=True)
         self._thread.start()
 
@@ -90,13 +89,6 @@ class EngineThread:
         self._inbox.put(("stop", None))
         self._thread.join()
 
-    def tokens_per_s(self) -> float:
-        now = time.monotonic()
-        self.recent = [(t, n) for t, n in self.recent if now - t < 60]
-        if len(self.recent) < 2:
-            return 0.0
-        return sum(n for _, n in self.recent[1:]) / max(now - self.recent[0][0], 1e-9)
-
     def _deliver(self, job: Job, item: Event | Exception) -> None:
         job.loop.call_soon_threadsafe(job.events.put_nowait, item)
 
@@ -108,10 +100,10 @@ class EngineThread:
             try:
                 job.id = self.engine.submit(job.prompt, job.max_tokens, job.sampling, job.seed)
             except InputError as e:
-                self._deliver(job, BadRequest(str(e)))
+                job.loop.call_soon_threadsafe(_settle, job.queued, APIError(str(e)))
                 return True
             self._jobs[job.id] = job
-            self.requests += 1
+            job.loop.call_soon_threadsafe(_settle, job.queued, None)
         elif job.id in self._jobs:
             self.engine.cancel(job.id)
             del self._jobs[job.id]
@@ -134,266 +126,204 @@ class EngineThread:
                 events = self.engine.step(ROUNDS_PER_STEP)
             except Exception as e:  # the engine's failure ends the requests in it, not the server
                 for job in self._jobs.values():
-                    self._deliver(job, BadRequest(f"decoding failed: {e}", 500, "server_error"))
+                    self._deliver(job, APIError(f"decoding failed: {e}", 500))
                 self._jobs.clear()
                 self.engine.reset()
+                self.metrics.baseline(engine_counters(self.engine))
                 continue
-            made = sum(len(e.new_ids) for e in events)
-            self.tokens += made
-            self.recent.append((time.monotonic(), made))
-            self.accepted_hist = np.asarray(self.engine.state.accepted_hist)
-            self.mean_accepted, _ = acceptance(self.accepted_hist)
-            for event in events:
-                job = self._jobs.get(event.request)
+            self.metrics.engine_step(events, engine_counters(self.engine))
+            for step_event in events:
+                job = self._jobs.get(step_event.request)
                 if job is None:
                     continue
-                self._deliver(job, event)
-                if event.completion is not None:
-                    del self._jobs[event.request]
+                self._deliver(job, step_event)
+                if step_event.completion is not None:
+                    del self._jobs[step_event.request]
 
 
-def _field(body: dict, name: str, kind, default, check=None, why: str = ""):
-    """body[name] (or `default`) of type `kind`, passing `check`; BadRequest otherwise."""
-    value = body.get(name, default)
-    if value is None:
-        return default
-    ok_type = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok_type = float(value), True
-    if not ok_type or (check is not None and not check(value)):
-        raise BadRequest(f"'{name}' must be {why or kind.__name__}, got {json.dumps(value)[:80]}", param=name)
-    return value
+@dataclasses.dataclass
+class Server:
+    """What the handlers share (the app's `state.server`)."""
+
+    worker: EngineThread
+    tokenizer: Tokenizer
+    model: str
+    metrics: ServerMetrics
+    default_max_tokens: int | None
+    created: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Params:
-    max_tokens: int
-    sampling: SamplingConfig
-    seed: int | None
-    stop: tuple[str, ...]
-    stream: bool
+class Generation:
+    """One request in the engine: its text as it comes, and its metrics once it ends."""
 
+    def __init__(self, server: Server, params: Params, ids: list[int], start: float):
+        self.server, self.params, self.prompt_tokens = server, params, len(ids)
+        context = server.worker.engine.num_slots
+        max_tokens = params.max_tokens or server.default_max_tokens or max(context - len(ids), 1)  # as vLLM
+        loop = asyncio.get_running_loop()
+        self.job = Job(ids, max_tokens, params.sampling, params.seed, loop)
+        self.text = TextStream(server.tokenizer, params.stop)
+        self.start, self.first = start, None  # when the request came, its first token came (metrics' clock)
+        self.queued = False  # the engine took it
+        self.finish: str | None = None
 
-def params_of(body: dict, default_max_tokens: int) -> Params:
-    """The generation parameters of an OpenAI request body."""
-    if _field(body, "n", int, 1, lambda n: n == 1, "1 (one choice per request)") != 1:
-        raise BadRequest("'n' must be 1", param="n")
-    for unsupported in ("logprobs", "echo", "best_of", "logit_bias", "tools", "functions"):
-        if body.get(unsupported) not in (None, False, 1 if unsupported == "best_of" else None):
-            raise BadRequest(f"'{unsupported}' is not supported", param=unsupported)
-    cap = body.get("max_completion_tokens", body.get("max_tokens"))
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _field({name: cap}, name, int, default_max_tokens, lambda n: n >= 1, "an integer >= 1")
-    temperature = _field(body, "temperature", float, 1.0, lambda t: 0 <= t <= 2 and math.isfinite(t), "in [0, 2]")
-    top_p = _field(body, "top_p", float, 1.0, lambda p: 0 < p <= 1, "in (0, 1]")
-    top_k = _field(body, "top_k", int, 0, lambda k: 0 <= k < 2**31, "an integer >= 0")
-    seed = _field(body, "seed", int, None, lambda s: 0 <= s < 2**63, "an integer in 0..2**63-1")
-    stop = body.get("stop")
-    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest(f"'stop' must be a string or up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
-    stream = _field(body, "stream", bool, False)
-    return Params(max_tokens, SamplingConfig(temperature, top_k, top_p), seed, stop, stream)
-
-
-class TextStream:
-    """A request's text as tokens arrive: what may be shown (never half a character, never a prefix of a stop string)
-    and whether a stop string ended it."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]):
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self.ids: list[int] = []
-        self.shown = 0  # characters handed out
-        self.stopped = False
-
-    def add(self, ids: Sequence[int], last: bool) -> str:
-        """The new text to hand out after `ids`; all of it when `last`."""
-        self.ids += ids
-        text = self.tokenizer.decode(self.ids)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            text, self.stopped, last = text[: min(hits)], True, True
-        end = len(text)
-        if not last:
-            if text.endswith("\ufffd"):
-                end -= 1
-            held = max((len(s) - 1 for s in self.stop), default=0)
-            end = max(self.shown, end - held)
-        new, self.shown = text[self.shown : end], max(self.shown, end)
-        return new
-
-
-def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, default_max_tokens: int = 256) -> Starlette:
-    """The ASGI app serving `engine` (made with sampled=True) under the model id `model_name`."""
-    worker = EngineThread(engine)
-    created = int(time.time())
-
-    def check_model(body: dict) -> None:
-        name = body.get("model")
-        if name != model_name:
-            raise BadRequest(
-                f"the model '{name}' does not exist; this server serves '{model_name}'", 404, "not_found_error", "model"
-            )
-
-    async def body_of(request: Request) -> dict:
+    async def queue(self) -> None:
+        """Submits the request; raises the engine's refusal (an APIError) before anything is sent."""
+        self.server.worker.submit(self.job)
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        check_model(body)
-        return body
+            await self.job.queued
+        except BaseException:
+            self.close()
+            raise
+        self.queued = True
 
-    def prompt_ids(body: dict, chat: bool) -> list[int]:
-        try:
-            if chat:
-                messages = body.get("messages")
-                if (
-                    not isinstance(messages, list)
-                    or not messages
-                    or not all(
-                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                        for m in messages
-                    )
-                ):
-                    raise BadRequest("'messages' must be a non-empty list of {role, content} strings", param="messages")
-                text = tokenizer.apply_chat_template(
-                    [{"role": m["role"], "content": check_text(m["content"])} for m in messages]
-                )
-                return tokenizer.encode(text)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if (
-                isinstance(prompt, list)
-                and prompt
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-            ):
-                return list(prompt)
-            if not isinstance(prompt, str) or not prompt:
-                raise BadRequest("'prompt' must be a non-empty string (or a list of token ids)", param="prompt")
-            return tokenizer.encode(check_text(prompt), add_special_tokens=True)
-        except InputError as e:
-            raise BadRequest(str(e), param="messages" if chat else "prompt") from None
+    async def parts(self) -> AsyncIterator[str]:
+        """The new text of each engine step; `finish` is set before the last."""
+        while self.finish is None:
+            item = await self.job.events.get()
+            if isinstance(item, Exception):
+                self.finish = "error"
+                raise item
+            self.first = self.first or self.server.metrics.clock()
+            new = self.text.add(item.new_ids, item.completion is not None)
+            if self.text.stopped:
+                self.finish = "stop"
+            elif item.completion is not None:
+                self.finish = item.completion.finish_reason
+            yield new
 
-    async def respond(request: Request, chat: bool) -> Response:
-        try:
-            body = await body_of(request)
-            params = params_of(body, default_max_tokens)
-            ids = prompt_ids(body, chat)
-        except BadRequest as e:
-            return error_response(e)
-        job = Job(ids, params.max_tokens, params.sampling, params.seed, asyncio.Queue(), asyncio.get_running_loop())
-        worker.submit(job)
-        kind = "chatcmpl" if chat else "cmpl"
-        rid = f"{kind}-{uuid.uuid4().hex[:24]}"
-        text = TextStream(tokenizer, params.stop)
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, len(self.text.ids))
 
-        async def events() -> AsyncIterator[tuple[str, str | None]]:
-            """(new text, finish reason once finished)."""
-            count = 0
-            while True:
-                item = await job.events.get()
-                if isinstance(item, Exception):
-                    raise item
-                count += len(item.new_ids)
-                new = text.add(item.new_ids, item.completion is not None)
-                if text.stopped:
-                    worker.cancel(job)
-                    yield new, "stop"
-                    return
-                if item.completion is not None:
-                    yield new, item.completion.finish_reason
-                    return
-                yield new, None
+    def close(self) -> None:
+        """Frees the slot if the request still holds one and counts the request: aborted if it had not finished."""
+        self.server.worker.cancel(self.job)
+        if self.queued:
+            reason = self.finish or "abort"
+            self.server.metrics.finished(reason, self.prompt_tokens, len(self.text.ids), self.start, self.first)
 
-        def usage() -> dict:
-            n = len(text.ids)
-            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
-        def choice(new: str, finish: str | None, streaming: bool) -> dict:
-            if not chat:
-                return {"index": 0, "text": new, "finish_reason": finish, "logprobs": None}
-            if streaming:
-                return {"index": 0, "delta": {"content": new} if new else {}, "finish_reason": finish}
-            return {"index": 0, "message": {"role": "assistant", "content": new}, "finish_reason": finish}
+async def completions(request: Request) -> Response:
+    return await _generate(request, chat=False)
 
-        obj = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and params.stream else "")
-        head = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name}
 
-        if params.stream:
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, chat=True)
 
-            async def sse() -> AsyncIterator[str]:
-                try:
-                    if chat:
-                        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                        yield f"data: {json.dumps({**head, 'choices': [first]})}\n\n"
-                    async for new, finish in events():
-                        if new or finish:
-                            yield f"data: {json.dumps({**head, 'choices': [choice(new, finish, True)]})}\n\n"
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage()})}\n\n"
-                    yield "data: [DONE]\n\n"
-                except BadRequest as e:
-                    yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
-                finally:
-                    worker.cancel(job)  # the client went away, or it ended: frees the slot if it still holds one
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
+async def _generate(request: Request, chat: bool) -> Response:
+    server: Server = request.app.state.server
+    start = server.metrics.clock()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise APIError("the client went away while sending its request", 499) from None
+    params = params_of(body_of(raw), chat, server.model)
+    generation = Generation(server, params, prompt_ids(params, server.tokenizer), start)
+    await generation.queue()
+    reply = Reply.new(chat, server.model)
+    if params.stream:
+        return StreamingResponse(_events(generation, reply), media_type="text/event-stream")
+    try:
+        text = await _whole_text(request, generation)
+    finally:
+        generation.close()
+    if text is None:
+        return Response(status_code=499)  # the client went away
+    return JSONResponse(reply.whole(text, generation.finish, generation.usage()))
 
-        parts, finish = [], None
-        try:
-            stream = events()
-            while finish is None:
-                next_part = asyncio.ensure_future(stream.__anext__())
-                while not next_part.done():
-                    await asyncio.wait({next_part}, timeout=0.5)
-                    if not next_part.done() and await request.is_disconnected():
-                        next_part.cancel()
-                        worker.cancel(job)
-                        return Response(status_code=499)
-                new, finish = next_part.result()
-                parts.append(new)
-        except BadRequest as e:
-            return error_response(e)
-        return JSONResponse({**head, "choices": [choice("".join(parts), finish, False)], "usage": usage()})
 
-    async def completions(request: Request) -> Response:
-        return await respond(request, chat=False)
+async def _whole_text(request: Request, generation: Generation) -> str | None:
+    """The request's whole text, or None once its client has gone."""
+    parts, stream = [], generation.parts()
+    while generation.finish is None:
+        next_part = asyncio.ensure_future(anext(stream))
+        while not next_part.done():
+            await asyncio.wait({next_part}, timeout=DISCONNECT_POLL_S)
+            if not next_part.done() and await request.is_disconnected():
+                next_part.cancel()
+                return None
+        parts.append(next_part.result())
+    return "".join(parts)
 
-    async def chat_completions(request: Request) -> Response:
-        return await respond(request, chat=True)
 
-    async def models(request: Request) -> Response:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "specjax"}
-        return JSONResponse({"object": "list", "data": [card]})
+async def _events(generation: Generation, reply: Reply) -> AsyncIterator[str]:
+    """The server-sent events of a streamed request; an error after the first is an error event, then [DONE]."""
+    try:
+        if reply.chat:
+            yield reply.chunk("", role=True)
+        async for new in generation.parts():
+            if new or generation.finish:
+                yield reply.chunk(new, generation.finish)
+        if generation.params.include_usage:
+            yield reply.usage_chunk(generation.usage())
+    except APIError as e:
+        yield event(e.body())
+    finally:
+        generation.close()  # the client went away, or it ended
+    yield event("[DONE]")
 
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
 
-    async def metrics(request: Request) -> Response:
-        lines = [
-            ("specjax_requests_total", "requests accepted", worker.requests),
-            ("specjax_generated_tokens_total", "tokens generated", worker.tokens),
-            ("specjax_tokens_per_second", "tokens generated per second over the last minute", worker.tokens_per_s()),
-            ("specjax_mean_accepted_length", "tokens per round and row, over the server's life", worker.mean_accepted),
-            ("specjax_queue_depth", "requests waiting for a slot", engine.queued),
-            ("specjax_busy_slots", "slots holding a request", engine.busy),
-            ("specjax_slots", "slots", engine.slots),
-            (
-                "specjax_compiled_programs",
-                "programs the engine compiled (at start: every bucket's)",
-                engine.compiled_programs,
-            ),
-        ]
-        text = "".join(f"# HELP {n} {h}\n# TYPE {n} gauge\n{n} {v}\n" for n, h, v in lines)
-        hist = worker.accepted_hist
-        text += "# HELP specjax_row_rounds_total rounds of each running row\n# TYPE specjax_row_rounds_total counter\n"
-        text += f"specjax_row_rounds_total {int(hist.sum())}\n"
-        name = "specjax_accepted_drafts_per_pos_total"
-        text += f"# HELP {name} row-rounds that accepted the draft at each position\n# TYPE {name} counter\n"
-        text += "".join(f'{name}{{position="{i}"}} {int(hist[i + 1 :].sum())}\n' for i in range(len(hist) - 1))
-        return PlainTextResponse(text)
+async def models(request: Request) -> Response:
+    server: Server = request.app.state.server
+    card = {"id": server.model, "object": "model", "created": server.created, "owned_by": "specjax"}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _refused(request: Request, error: APIError) -> Response:
+    request.app.state.server.metrics.refused.labels(error.type).inc()
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _http_error(request: Request, e: HTTPException) -> Response:
+    """Starlette's own refusals (no such route, a method the route does not take) as OpenAI errors."""
+    return _refused(request, APIError(f"{request.method} {request.url.path}: {e.detail}", e.status_code))
+
+
+class RequireKey:
+    """ASGI middleware: every /v1 route wants `Authorization: Bearer <key>`; /health and /metrics stay open."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.key):
+                error = APIError("a valid API key is needed: send the header 'Authorization: Bearer <key>'", 401)
+                await _refused(Request(scope, receive), error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    model_name: str,
+    default_max_tokens: int | None = None,
+    api_key: str | None = None,
+) -> Starlette:
+    """The ASGI app serving `engine` (made with sampled=True) under the model id `model_name`.
+
+    Args:
+      engine: the engine; the app's thread steps it from now on.
+      tokenizer: the model's tokenizer (and chat template).
+      model_name: the id clients name (a request that names none gets it).
+      default_max_tokens: a request's max_tokens when it gives none; None: what the context leaves, as vLLM.
+      api_key: when given, the /v1 routes want `Authorization: Bearer <api_key>`.
+    Returns:
+      The Starlette app.
+    """
+    server_metrics = ServerMetrics(engine, time.monotonic)
+    worker = EngineThread(engine, server_metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -408,9 +338,11 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, default_max
             Route("/health", health),
             Route("/metrics", metrics),
         ],
+        middleware=[Middleware(RequireKey, key=api_key)] if api_key else [],
+        exception_handlers={APIError: _refused, HTTPException: _http_error},
         lifespan=lifespan,
     )
-    app.state.worker = worker
+    app.state.server = Server(worker, tokenizer, model_name, server_metrics, default_max_tokens, int(time.time()))
     return app
 
 
