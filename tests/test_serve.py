@@ -3,6 +3,7 @@ chat, streamed and not, greedy text equal to plain decoding, stop strings, 16 co
 mid-stream, malformed and out-of-range requests; afterwards the server still answers and every slot is free."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -171,7 +172,8 @@ def test_specjax_serve_starts_answers_and_refuses_bad_flags_in_one_line(tmp_path
     bad = subprocess.run([*serve, "--prompt", "Hi"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("leave out --prompt and --prompts-file")
     flags = ["--drafter", "ngram", "--num-draft-tokens", "2", "--batch-size", "2", "--max-context", "128"]
-    proc = subprocess.Popen([*serve, *flags, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "SPECJAX_API_KEY": "sesame"}
+    proc = subprocess.Popen([*serve, *flags, "--port", str(port)], stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
@@ -181,11 +183,19 @@ def test_specjax_serve_starts_answers_and_refuses_bad_flags_in_one_line(tmp_path
             except OSError:
                 assert proc.poll() is None, proc.stderr.read()
                 time.sleep(0.5)
-        api = client(f"http://127.0.0.1:{port}")
+        base = f"http://127.0.0.1:{port}"
+        api = openai.OpenAI(base_url=f"{base}/v1", api_key="sesame", max_retries=0, timeout=120)
         reply = api.chat.completions.create(
             model="tiny-random", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0
         )
         assert reply.choices[0].message.content == greedy_text(MODEL.tokenizer.chat_prompt_ids("Hi"), 5)
+        with pytest.raises(openai.AuthenticationError, match="Authorization: Bearer"):
+            client(base).models.list()  # the wrong key
+        code, body = post(base, "/v1/completions", b'{"prompt": "Hi"}')  # no key
+        assert code == 401 and body["error"]["type"] == "authentication_error"
+        for open_route in ("/health", "/metrics"):
+            with urllib.request.urlopen(base + open_route, timeout=10) as response:
+                assert response.status == 200
     finally:
         proc.terminate()
         proc.wait(timeout=60)
