@@ -20,8 +20,8 @@ from specjax.decoding.autoregressive import generate
 from specjax.decoding.engine import Engine, Event
 from specjax.drafters import NgramDrafter
 from specjax.io.loading import tiny_random_model
-from specjax.server_metrics import WINDOW_S, ServerMetrics
 from specjax.serving import build_app, running_in_thread
+from specjax.serving.metrics import WINDOW_S, ServerMetrics
 
 MODEL = tiny_random_model()
 NAME = "tiny"

@@ -1,12 +1,12 @@
-"""An OpenAI-compatible HTTP server over the refilling engine (`specjax.decoding.engine`).
+"""The app: the engine thread and the routes over the refilling engine (`specjax.decoding.engine`).
 
 One thread owns the engine: it takes new requests and cancellations from a queue, steps the engine a few rounds at a
 time, and hands each request's new tokens to the request's handler on the event loop. A handler checks its request
-(`specjax.protocol`) and waits for the engine to queue it before it answers, so a refused request gets a 4xx even when
+(`protocol`) and waits for the engine to queue it before it answers, so a refused request gets a 4xx even when
 streamed; then it turns tokens into text (held back while it could still become a stop string), streams it as
 server-sent events or answers once, and cancels its request when the client goes away, which frees its slot. Routes:
 `/v1/completions`, `/v1/chat/completions` (the checkpoint's chat template), `/v1/models`, `/health`, `/metrics`
-(Prometheus text, `specjax.server_metrics`). Every error is OpenAI-shaped JSON; the engine thread survives any request.
+(Prometheus text, `metrics`). Every error is OpenAI-shaped JSON; the engine thread survives any request.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from specjax.config import SamplingConfig
 from specjax.decoding.engine import Engine, Event
 from specjax.errors import InputError
 from specjax.io.tokenizer import Tokenizer
-from specjax.protocol import APIError, Params, Reply, TextStream, body_of, event, params_of, prompt_ids, usage
-from specjax.server_metrics import ServerMetrics, engine_counters
+from specjax.serving.metrics import ServerMetrics, engine_counters
+from specjax.serving.protocol import APIError, Params, Reply, TextStream, body_of, event, params_of, prompt_ids, usage
 
 ROUNDS_PER_STEP = 4  # engine rounds between two looks at new requests and cancellations
 DISCONNECT_POLL_S = 0.5  # how often an answer that is not streamed checks that its client is still there
