@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Iterator
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
@@ -165,6 +166,7 @@ class Generation:
         self.text = TextStream(server.tokenizer, params.stop)
         self.start, self.first = start, None  # when the request came, its first token came (metrics' clock)
         self.queued = False  # the engine took it
+        self.closed = False
         self.finish: str | None = None
 
     async def queue(self) -> None:
@@ -196,7 +198,11 @@ class Generation:
         return usage(self.prompt_tokens, len(self.text.ids))
 
     def close(self) -> None:
-        """Frees the slot if the request still holds one and counts the request: aborted if it had not finished."""
+        """Frees the slot if the request still holds one and counts the request, aborted if it had not finished (once;
+        later calls do nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         self.server.worker.cancel(self.job)
         if self.queued:
             reason = self.finish or "abort"
@@ -223,7 +229,9 @@ async def _generate(request: Request, chat: bool) -> Response:
     await generation.queue()
     reply = Reply.new(chat, server.model)
     if params.stream:
-        return StreamingResponse(_events(generation, reply), media_type="text/event-stream")
+        # The task closes it too where the client went away before the stream began (and the events never ran).
+        closing = BackgroundTask(generation.close)
+        return StreamingResponse(_events(generation, reply), media_type="text/event-stream", background=closing)
     try:
         text = await _whole_text(request, generation)
     finally:
