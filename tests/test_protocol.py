@@ -395,6 +395,12 @@ SWEEP = [
     (405, "POST", "/health", b"{}"),
     (404, "GET", "/v2/completions", None),
     (404, "POST", "/v1/embeddings", {"input": "hi"}),
+    (400, "POST", "/v1/completions", b'{"prompt": "caf\xe9"}'),  # Latin-1, not UTF-8
+    (400, "POST", "/v1/completions", b"{bad", {"Content-Type": "text/plain"}),
+    (400, "POST", "/v1/completions", b"", {"Content-Type": "application/x-www-form-urlencoded"}),
+    (400, "POST", "/v1/completions", {"prompt": PROMPT, "top_p": 2}, {"Authorization": "Bearer nothing-to-check"}),
+    (400, "POST", "/v1/chat/completions", {"messages": USER * 300}),  # past the context
+    (400, "POST", "/v1/completions", {"prompt": list(range(300))}),
 ]
 
 
@@ -419,8 +425,8 @@ def abrupt_clients(base: str) -> None:
 def test_a_sweep_of_bad_requests_and_abrupt_clients_leaves_no_traceback_and_a_server_that_answers(server):
     base, engine, records = server
     assert len(SWEEP) >= 60
-    for status, method, path, body in SWEEP:
-        code, headers, raw = call(base, method, path, body)
+    for status, method, path, body, *headers in SWEEP:
+        code, headers, raw = call(base, method, path, body, *headers)
         assert code < 500 and headers["content-type"] == "application/json", (method, path, body, raw)
         assert_openai_error(code, raw, status)
     abrupt_clients(base)

@@ -50,7 +50,8 @@ class Throughput:
 
 
 class ServerMetrics:
-    """The app's metrics over `engine` (its gauges read the engine when scraped)."""
+    """The app's metrics over `engine` (its gauges read the engine when scraped); `clock()` is the time in seconds
+    (time.monotonic), the one the handlers' start times and `engine_step` use."""
 
     def __init__(self, engine: Engine, clock):
         self.registry = r = CollectorRegistry()

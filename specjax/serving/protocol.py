@@ -68,7 +68,7 @@ class Params:
     """A checked request: what to decode and how."""
 
     chat: bool
-    prompt: str | list[int] | list[dict]  # completions: text or token ids; chat: the messages ({role, content} text)
+    prompt: str | list[int] | list[dict]  # completions: text or token ids; chat: the messages (`messages_of`)
     max_tokens: int | None  # None: what the context leaves
     sampling: SamplingConfig
     seed: int | None
