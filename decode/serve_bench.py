@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import sys
 import time
 import urllib.request
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -58,17 +58,21 @@ def spread(values: list[float]) -> dict:
 
 
 def scrape(base: str) -> dict[str, float]:
-    """The server's /metrics as {series (with its labels): value}."""
+    """The server's /metrics as {name, or name/position for a position's series: value}."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return {m[1]: float(m[2]) for m in re.finditer(r"^([a-zA-Z_:]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+        families = text_string_to_metric_families(response.read().decode())
+    return {
+        s.name + (f"/{s.labels['position']}" if "position" in s.labels else ""): s.value
+        for family in families
+        for s in family.samples
+    }
 
 
 def acceptance_between(before: dict, after: dict) -> dict:
     """Mean accepted length (tokens per row-round, the bonus included) and acceptance by position over a level."""
-    rounds = after.get("specjax_row_rounds_total", 0) - before.get("specjax_row_rounds_total", 0)
+    rounds = after.get("specjax:row_rounds_total", 0) - before.get("specjax:row_rounds_total", 0)
     by_position = []
-    while (key := f'specjax_accepted_drafts_per_pos_total{{position="{len(by_position)}"}}') in after:
+    while (key := f"specjax:spec_decode_num_accepted_tokens_per_pos_total/{len(by_position)}") in after:
         by_position.append((after[key] - before.get(key, 0)) / rounds if rounds else 0.0)
     return {"mean_accepted": 1 + sum(by_position), "acceptance_by_position": by_position} if rounds else {}
 
@@ -126,7 +130,7 @@ def level(base: str, clients: int, prompts: list[str], chat: bool, args) -> dict
         "itl_s": spread(itl),
         "e2e_s": spread([r["seconds"] for r in done]),
         **acceptance_between(before, after),
-        "compiled_programs": after.get("specjax_compiled_programs"),
+        "compiled_programs": after.get("specjax:compiled_programs"),
     }
 
 

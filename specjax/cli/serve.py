@@ -3,6 +3,7 @@ engine, with any drafter."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import uvicorn
@@ -37,6 +38,13 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model id clients name (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=cli.integer, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECJAX_API_KEY"),
+        help="the /v1 routes want 'Authorization: Bearer KEY' (default: $SPECJAX_API_KEY; unset: open)",
+    )
+    # A request without max_tokens gets what the context leaves (as vLLM), unless --max-new-tokens is given.
+    p.set_defaults(max_new_tokens=None)
     return p
 
 
@@ -44,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     cli.check_positive("--batch-size", args.batch_size)
     cli.check_positive("--prefill-chunk", args.prefill_chunk)
+    cli.check_positive("--max-new-tokens", args.max_new_tokens)
     if args.prompt or args.prompts_file:
         raise InputError("specjax-serve takes its prompts over HTTP: leave out --prompt and --prompts-file")
     model = cli.load_target(args)
@@ -65,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots of {engine.num_slots} tokens, "
         f"attention {attention_path(args.attention)}; {engine.compiled_programs} programs compiled)"
     )
-    app = build_app(engine, model.tokenizer, name, default_max_tokens=args.max_new_tokens)
+    app = build_app(engine, model.tokenizer, name, default_max_tokens=args.max_new_tokens, api_key=args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
