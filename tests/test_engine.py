@@ -2,6 +2,7 @@
 partial runs) equals plain greedy decoding of its prompt alone, for every drafter; streamed tokens add up to the
 completion; a handful of programs serve any number of requests; bad requests are refused in one line."""
 
+import dataclasses
 import random
 
 import jax
@@ -181,6 +182,28 @@ def test_each_bucket_learns_from_its_timed_runs_whether_drafting_pays(step_s, dr
     learned = engine.policies[1]
     assert learned.never_drafts([0, 3]) is not drafts and engine.policies[2] is policy  # bucket 2 never ran
     assert (drafting_rounds[-1] > drafting_rounds[1]) is drafts  # after the first run: drafting goes on, or stops
+    assert engine._decoder(1).drafting is drafts  # a bucket whose drafting lost leaves the drafter out
+
+
+def test_rows_that_ran_plain_steps_without_the_drafter_decode_exactly_when_they_draft_again(monkeypatch):
+    """Plain steps without the drafter (`speculative.plain_round`) leave its state behind the rows; a row that drafts
+    again from there still decodes exactly. Here every other run leaves out an EAGLE-3 head behind
+    a lookup (which drafts what it can, the head the rest)."""
+    drafter = DRAFTERS["ngram+eagle3"].build(WEIGHTS, CFG)
+    engine = Engine(
+        WEIGHTS, CFG, drafter=drafter, num_draft_tokens=Adaptive.forcing([0, 3], 1), slots=2, max_context=64
+    )
+    runs = iter(range(10**6))
+    monkeypatch.setattr(
+        engine, "_decoder", lambda rows: dataclasses.replace(engine.decoder, drafting=next(runs) % 2 == 0)
+    )
+    work = requests(6, seed=5)
+    ids = [engine.submit(prompt, limit) for prompt, limit in work]
+    done = {e.request: e.completion.output_ids for e in engine.events(max_rounds=2) if e.completion is not None}
+    for i, (prompt, limit) in zip(ids, work):
+        assert done[i] == generate(WEIGHTS, CFG, [prompt], max_new_tokens=limit).completions[0].output_ids
+    plain, drafting = engine.state.menu_rounds.tolist()
+    assert plain > 0 and drafting > 0 and engine.state.accepted_hist[1:].sum() > 0
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_per_round_beside_the_running_rows():

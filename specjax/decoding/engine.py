@@ -9,7 +9,8 @@ sampled), all taking the `Decoder` (weights, drafter, policy):
   insert          its first token sampled, handed out at once, and that row (cache, drafter state, the policy's
                   per-row state) written over its slot;
   run             rounds of the loop (`speculative.next_round`) until a running row finishes, or `max_rounds` pass;
-                  the rows' new tokens come back packed (`Emitted`);
+                  the rows' new tokens come back packed (`Emitted`); a bucket whose drafting lost runs plain steps
+                  without the drafter's upkeep instead (`speculative.plain_round`), a program of its own;
   resize          the state moved to another bucket when the live rows outgrow it or leave it.
 Between programs the host streams each row's new tokens, takes finished rows' completions, inserts queued requests
 into the freed slots (JetStream's prefill / insert / generate split) and lets each bucket's adaptive policy learn from
@@ -79,7 +80,8 @@ def row_axes(one_row, two_rows):
 @dataclasses.dataclass(frozen=True)
 class Decoder:
     """What every engine program reads: the target's weights, the drafter and the policy (data; a learned policy or
-    another bucket's reuses the executable), and the options the programs compile for (static)."""
+    another bucket's reuses the executable), and the options the programs compile for (static). `drafting` False: a
+    run's rounds are plain steps that leave the drafter alone (`speculative.plain_round`)."""
 
     weights: Weights
     drafter: Drafter
@@ -87,6 +89,7 @@ class Decoder:
     cfg: ModelConfig = dataclasses.field(metadata=dict(static=True))
     eos_ids: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     prefill_chunk: int = dataclasses.field(metadata=dict(static=True))
+    drafting: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     @property
     def capacity(self) -> int:
@@ -213,7 +216,7 @@ def run(decoder: Decoder, state, streamed_p, max_new_p, sampling_p, max_rounds):
 
     def step(carry):
         s, rounds = carry
-        return speculative.next_round(loop, s), rounds + 1
+        return (speculative.next_round if decoder.drafting else speculative.plain_round)(loop, s), rounds + 1
 
     state, _ = jax.lax.while_loop(going, step, (state, jnp.int32(0)))
     at = (state.length_b - state.num_new_b + streamed_p)[:, None] + jnp.arange(STEP_TOKENS)[None, :]
@@ -353,6 +356,12 @@ class Engine:
         self.runs_by_rows = collections.Counter()  # `run` calls per bucket
 
     @property
+    def _may_stop_drafting(self) -> bool:
+        """Whether a bucket's track record can turn its drafting off: an adaptive menu with the plain step."""
+        policy = self.decoder.policy
+        return isinstance(policy, Adaptive) and 0 in policy.menu and not isinstance(self.decoder.drafter, PlainSteps)
+
+    @property
     def rows(self) -> int:
         """The slots the device state holds now, a bucket: every live row is among them."""
         return int(self.state.done_b.shape[0])
@@ -370,8 +379,9 @@ class Engine:
 
     def warm(self) -> None:
         """Compiles every program a stream of requests runs, so none compiles while it is served: each bucket's `run`
-        (called for no round over free slots) and `insert` (a one-token request that ends at its first token), the
-        prefill programs, and the resizes between buckets. Call it before any request."""
+        (called for no round over free slots; with its plain-step run where drafting may be turned off) and `insert` (a
+        one-token request that ends at its first token), the prefill programs, and the resizes between buckets. Call it
+        before any request."""
         for rows in self.buckets:
             for other in self.buckets:  # the resizes from `rows` to every other bucket and back
                 self._resize(rows)
@@ -379,7 +389,9 @@ class Engine:
             self._resize(rows)
             nothing = np.zeros((rows,), np.int32)
             sampling = self._sampling([SamplingConfig()] * rows)
-            self.state, _ = self._call(run, self.decoder, self.state, nothing, nothing + 1, sampling, np.int32(0))
+            for drafting in (True, False) if self._may_stop_drafting else (True,):
+                decoder = dataclasses.replace(self.decoder, drafting=drafting)
+                self.state, _ = self._call(run, decoder, self.state, nothing, nothing + 1, sampling, np.int32(0))
             self.complete([[0]], 1)  # prefills and inserts over slot 0, then ends at its first token
 
     @staticmethod
@@ -453,7 +465,7 @@ class Engine:
         streamed = np.array([len(r.output) if r else 0 for r in live], np.int32)
         max_new = np.array([r.max_new if r else 1 for r in live], np.int32)
         sampling = self._sampling([r.sampling if r else SamplingConfig() for r in live])
-        decoder = dataclasses.replace(self.decoder, policy=self._policy(rows))
+        decoder = self._decoder(rows)
         t0 = time.perf_counter()
         self.state, emitted = self._call(run, decoder, self.state, streamed, max_new, sampling, np.int32(max_rounds))
         emitted, counts = to_host((emitted, self._counters(self.state)))
@@ -477,16 +489,17 @@ class Engine:
             self._rows[slot] = None
         return Event(r.id, new, completion)
 
-    def _policy(self, rows: int) -> Policy:
-        """The policy a run of `rows` rows decodes with: the bucket's, or its plain step alone where the bucket's
-        track record, once it holds VERDICT_STEPS, says that its drafting lost to its plain steps
+    def _decoder(self, rows: int) -> Decoder:
+        """What a run of `rows` rows decodes with: the bucket's policy, or plain steps without the drafter's upkeep
+        where the bucket's track record, once it holds VERDICT_STEPS, says that its drafting lost to its plain steps
         (`Adaptive.never_drafts`)."""
         policy = self.policies[rows]
-        if not isinstance(policy, Adaptive) or 0 not in policy.menu or policy.track_record[0] < VERDICT_STEPS:
-            return policy
-        if policy.never_drafts(menu_depths(self.decoder.drafter, policy.menu)):
-            return Adaptive.forcing(policy.menu, policy.menu.index(0), regimes=policy.prior.shape[0])
-        return policy
+        lost = (
+            self._may_stop_drafting
+            and policy.track_record[0] >= VERDICT_STEPS
+            and policy.never_drafts(menu_depths(self.decoder.drafter, policy.menu))
+        )
+        return dataclasses.replace(self.decoder, policy=policy, drafting=not lost)
 
     def _learn(self, rows: int, seconds: float, counts: tuple, count_p: np.ndarray) -> None:
         """The bucket's policy after a run that took `seconds` (`Adaptive.learn`, as a one-shot call learns from its

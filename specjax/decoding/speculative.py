@@ -220,9 +220,12 @@ def after_prefill(loop: Loop, prefilled: Prefilled, tokens_up, lengths_u, keys_b
     return state, lengths_b
 
 
-def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Array) -> tuple[SpecState, Path]:
+def draft_verify_accept(
+    loop: Loop, entry: int, s: SpecState, regime_b: jax.Array, upkeep: bool = True
+) -> tuple[SpecState, Path]:
     """One round of menu entry `entry` (static), reading the cache only: the next state without its cache, and the
-    accepted path that `write_back` writes (padded to the menu's depth D, so every entry returns one shape)."""
+    accepted path that `write_back` writes (padded to the menu's depth D, so every entry returns one shape). Without
+    `upkeep` (a plain step only) the target computes no taps for the drafter."""
     shape, D = loop.shapes[entry], loop.depth
     B, V = s.tokens_bs.shape[0], loop.cfg.vocab_size
     j = jnp.arange(shape.depth + 1)[None, :]
@@ -239,7 +242,7 @@ def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Arra
         )
 
     # Verify.
-    taps = loop.drafter.traits.tap_layers
+    taps = loop.drafter.traits.tap_layers if upkeep else ()
     logits, taps_btf, k_new, v_new = forward_new_kv(
         loop.weights,
         loop.cfg,
@@ -287,14 +290,12 @@ def draft_verify_accept(loop: Loop, entry: int, s: SpecState, regime_b: jax.Arra
     return after, Path(k_path, v_path, jnp.pad(emitted, [(0, 0), (0, pad)]), path_taps)
 
 
-def write_back(loop: Loop, before: SpecState, after: SpecState, path: Path) -> SpecState:
-    """`after` with the target cache written and advanced by each row's committed count, and the drafter's commit."""
+def write_back(loop: Loop, before: SpecState, after: SpecState, path: Path, upkeep: bool = True) -> SpecState:
+    """`after` with the target cache written and advanced by each row's committed count, and (with `upkeep`) the
+    drafter's commit."""
     count = after.length_b - before.length_b
-    return dataclasses.replace(
-        after,
-        cache=before.cache.write(path.k, path.v).advance(count),
-        draft_state=loop.drafter.commit(after.draft_state, path.tokens, path.taps, count),
-    )
+    draft_state = loop.drafter.commit(after.draft_state, path.tokens, path.taps, count) if upkeep else after.draft_state
+    return dataclasses.replace(after, cache=before.cache.write(path.k, path.v).advance(count), draft_state=draft_state)
 
 
 def switch_in_halves(index: jax.Array, branches: Sequence[Callable], *operands):
@@ -320,6 +321,16 @@ def next_round(loop: Loop, s: SpecState) -> SpecState:
     rounds = [functools.partial(draft_verify_accept, loop, entry) for entry in range(len(loop.shapes))]
     after, path = switch_in_halves(entry, rounds, s, regime_b)
     return write_back(loop, s, after, path)
+
+
+def plain_round(loop: Loop, s: SpecState) -> SpecState:
+    """The menu's plain step for every row, without the drafter's upkeep (no taps, no commit, no regime): the rounds
+    of a batch whose drafting lost. The drafter's state stays where it was, behind the rows; drafts proposed from it
+    later are still verified exactly (a draft is a proposal), they only accept less."""
+    entry = [shape.depth for shape in loop.shapes].index(0)
+    regime_b = jnp.zeros_like(s.length_b)
+    after, path = draft_verify_accept(loop, entry, s, regime_b, upkeep=False)
+    return write_back(loop, s, after, path, upkeep=False)
 
 
 def finish(loop: Loop, s: SpecState, prompt_lengths_b: jax.Array) -> SpecOutput:
