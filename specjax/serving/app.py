@@ -36,7 +36,7 @@ from specjax.config import SamplingConfig
 from specjax.decoding.engine import Engine, Event
 from specjax.errors import InputError
 from specjax.io.tokenizer import Tokenizer
-from specjax.serving.hosts import IDLE_S, apply, exchange, submit_command
+from specjax.serving.hosts import IDLE_S, apply, exchange, stop_followers, submit_command
 from specjax.serving.metrics import ServerMetrics, engine_counters
 from specjax.serving.protocol import APIError, Params, Reply, TextStream, body_of, event, params_of, prompt_ids, usage
 
@@ -154,7 +154,7 @@ class EngineThread:
                 self.engine.reset()
                 self.metrics.baseline(engine_counters(self.engine))
         if self.hosts > 1:
-            exchange([["stop"]])
+            stop_followers()
 
     def _apply(self, command: list, job: Job | None) -> None:
         """Applies a command to the engine and hands its outcome to the job or jobs it concerns."""

@@ -58,6 +58,14 @@ def exchange(commands: list[list]) -> list[list]:
     return json.loads(multihost_utils.broadcast_one_to_all(buffer)[:size].tobytes())
 
 
+def stop_followers() -> None:
+    """Process 0's end of a multi-host run: tells the followers to stop, then leaves jax.distributed with them (they
+    leave as they exit), so that however process 0 ends then (uvicorn re-raises a SIGTERM it caught, which skips the
+    shutdown at exit) no follower waits for it at the shutdown barrier."""
+    exchange([["stop"]])
+    jax.distributed.shutdown()
+
+
 def follow(engine: Engine) -> None:
     """A follower's serving: applies process 0's commands to `engine` until it says stop. Raises what a collective
     raises when a peer is gone."""
