@@ -6,7 +6,8 @@ time, and hands each request's new tokens to the request's handler on the event 
 streamed; then it turns tokens into text (held back while it could still become a stop string), streams it as
 server-sent events or answers once, and cancels its request when the client goes away, which frees its slot. Routes:
 `/v1/completions`, `/v1/chat/completions` (the checkpoint's chat template), `/v1/models`, `/health`, `/metrics`
-(Prometheus text, `metrics`). Every error is OpenAI-shaped JSON; the engine thread survives any request.
+(Prometheus text, `metrics`). Every error is OpenAI-shaped JSON; the engine thread survives any request. Across hosts
+it sends its commands to the other processes before applying them (`hosts`).
 """
 
 from __future__ import annotations
