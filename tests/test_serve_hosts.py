@@ -15,9 +15,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jax
 import openai
 import pytest
 
+from specjax.cli import serve
 from specjax.decoding.autoregressive import generate
 from specjax.io.loading import tiny_random_model
 
@@ -124,7 +126,7 @@ def test_a_follower_killed_mid_request_gets_a_503_and_process_0_out_with_exit_co
 
         waiting = threading.Thread(target=ask)
         waiting.start()
-        time.sleep(1.0)  # the second request reaches the server
+        time.sleep(2.0)  # the second request reaches the server
         procs[1].kill()
         killed = time.time()
         waiting.join(timeout=EXIT_S)
@@ -137,3 +139,14 @@ def test_a_follower_killed_mid_request_gets_a_503_and_process_0_out_with_exit_co
         lines = logs[0].read_text().splitlines()
         assert lines[-1].startswith("specjax-serve: error: a process of this multi-host server failed, so it stops")
         assert not any("Traceback" in line for line in lines)
+
+
+def test_adaptive_drafting_is_refused_across_processes_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # what prepare reads; nothing starts
+    with pytest.raises(SystemExit) as exit_info:
+        serve.entry(["--model", "tiny-random", "--drafter", "ngram", "--max-context", "128"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "specjax-serve: error: adaptive drafting times each process's own calls, and the processes of a multi-host run "
+        "must agree: give a fixed --num-draft-tokens"
+    )
