@@ -18,7 +18,7 @@ from specjax.host import status
 from specjax.models.attention import attention_path
 from specjax.prepare import DecodeConfig, serving_engine
 from specjax.serving import build_app
-from specjax.serving.hosts import follow
+from specjax.serving.hosts import first_line, follow
 
 
 def parser() -> cli.ArgumentParser:
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             follow(engine)
         except jax.errors.JaxRuntimeError as e:
-            failed(f"process 0 or another process is gone, so this one stops: {str(e).strip().splitlines()[0]}")
+            failed(f"process 0 or another process is gone, so this one stops: {first_line(e)}")
         return
     name = args.served_model_name or args.model
     status(

@@ -37,7 +37,7 @@ from specjax.config import SamplingConfig
 from specjax.decoding.engine import Engine, Event
 from specjax.errors import InputError
 from specjax.io.tokenizer import Tokenizer
-from specjax.serving.hosts import IDLE_S, apply, exchange, stop_followers, submit_command
+from specjax.serving.hosts import IDLE_S, apply, exchange, first_line, stop_followers, submit_command
 from specjax.serving.metrics import ServerMetrics, engine_counters
 from specjax.serving.protocol import APIError, Params, Reply, TextStream, body_of, event, params_of, prompt_ids, usage
 
@@ -148,7 +148,8 @@ class EngineThread:
                     self._apply(command, job)
             except Exception as e:  # the engine's failure ends the requests in it, not a one-process server
                 if self.hosts > 1:
-                    return self._fail(e, jobs)
+                    self._fail(e, jobs)
+                    return
                 for job in self._jobs.values():
                     self._deliver(job, APIError(f"decoding failed: {e}", 500))
                 self._jobs.clear()
@@ -182,9 +183,8 @@ class EngineThread:
 
     def _fail(self, error: Exception, jobs: list[Job | None]) -> None:
         """Ends every request, waiting or in the engine, and every later one with a 503, then calls `on_failure`."""
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         with self._lock:
-            self.failure = f"a process of this multi-host server failed, so it stops: {first_line}"
+            self.failure = f"a process of this multi-host server failed, so it stops: {first_line(error)}"
             waiting = []
             while not self._inbox.empty():
                 waiting.append(self._inbox.get())

@@ -58,6 +58,11 @@ def exchange(commands: list[list]) -> list[list]:
     return json.loads(multihost_utils.broadcast_one_to_all(buffer)[:size].tobytes())
 
 
+def first_line(error: Exception) -> str:
+    """What a failed collective says, in one line (gloo's messages run over several)."""
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
+
+
 def stop_followers() -> None:
     """Process 0's end of a multi-host run: tells the followers to stop, then leaves jax.distributed with them (they
     leave as they exit), so that however process 0 ends then (uvicorn re-raises a SIGTERM it caught, which skips the
