@@ -24,8 +24,8 @@ from specjax.decoding.autoregressive import generate
 from specjax.io.loading import tiny_random_model
 
 MODEL = tiny_random_model()
-FLAGS = ["--model", "tiny-random", "--drafter", "ngram", "--num-draft-tokens", "2", "--batch-size", "2"]
-FLAGS += ["--max-context", "128", "--mesh", "data=2,tensor=4"]
+FLAGS = ["--model", "tiny-random", "--drafter", "ngram", "--num-draft-tokens", "2", "--max-context", "128"]
+FLAGS += ["--mesh", "data=2,tensor=4"]
 START_S = 300  # both processes compile the engine's programs on 2 shared cores
 EXIT_S = 60
 
@@ -41,7 +41,7 @@ def tail(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def serving_pair(tmp_path: Path):
+def serving_pair(tmp_path: Path, slots: int):
     """Processes 0 and 1 of one server; yields (base URL, processes, their stderr files) once process 0 answers, and
     kills whichever is left at the end."""
     port, coordinator = free_port(), free_port()
@@ -52,6 +52,7 @@ def serving_pair(tmp_path: Path):
     }
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     multihost = ["--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2", "--port", str(port)]
+    multihost += ["--batch-size", str(slots)]
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "specjax.cli.serve", *FLAGS, *multihost, "--process-id", str(i)],
@@ -92,7 +93,7 @@ def test_two_processes_answer_eight_clients_with_one_devices_greedy_text_and_sto
         MODEL.tokenizer.decode(c.output_ids)
         for c in generate(MODEL.weights, MODEL.cfg, ids, max_new_tokens=12, eos_ids=MODEL.eos_ids).completions
     ]
-    with serving_pair(tmp_path) as (base, procs, logs):
+    with serving_pair(tmp_path, 2) as (base, procs, logs):
         api = client(base)
 
         def ask(prompt: str) -> str:
@@ -108,7 +109,7 @@ def test_two_processes_answer_eight_clients_with_one_devices_greedy_text_and_sto
 
 
 def test_a_follower_killed_mid_request_gets_a_503_and_process_0_out_with_exit_code_1(tmp_path):
-    with serving_pair(tmp_path) as (base, procs, logs):
+    with serving_pair(tmp_path, 1) as (base, procs, logs):  # one slot: the first pair's programs
         api = client(base)
         running = api.completions.create(
             model="tiny-random", prompt="Once upon a time", max_tokens=100, temperature=0, stream=True
