@@ -4,8 +4,10 @@ engine, with any drafter."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 
+import jax
 import uvicorn
 
 from specjax.cli import common as cli
@@ -16,6 +18,7 @@ from specjax.host import status
 from specjax.models.attention import attention_path
 from specjax.prepare import DecodeConfig, serving_engine
 from specjax.serving import build_app
+from specjax.serving.hosts import first_line, follow
 
 
 def parser() -> cli.ArgumentParser:
@@ -69,13 +72,38 @@ def main(argv: Sequence[str] | None = None) -> None:
         prefill_chunk=args.prefill_chunk,
     )
     engine = serving_engine(model, config, context)
+    if jax.process_index() > 0:
+        status(f"process {jax.process_index()} follows process 0's engine steps")
+        try:
+            follow(engine)
+        except jax.errors.JaxRuntimeError as e:
+            failed(f"process 0 or another process is gone, so this one stops: {first_line(e)}")
+        return
     name = args.served_model_name or args.model
     status(
         f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots of {engine.num_slots} tokens, "
         f"attention {attention_path(args.attention)}; {engine.compiled_programs} programs compiled)"
     )
-    app = build_app(engine, model.tokenizer, name, default_max_tokens=args.max_new_tokens, api_key=args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+    def stop() -> None:
+        server.should_exit = True
+
+    app = build_app(
+        engine, model.tokenizer, name, default_max_tokens=args.max_new_tokens, api_key=args.api_key, on_failure=stop
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
+    )
+    server.run()
+    if app.state.server.worker.failure is not None:
+        failed(app.state.server.worker.failure)
+
+
+def failed(message: str) -> None:
+    """Ends a multi-host process whose peer is gone: one line, exit code 1, at once (jax.distributed's shutdown at
+    exit would wait for the dead peer)."""
+    print(f"specjax-serve: error: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def entry(argv: Sequence[str] | None = None) -> None:

@@ -6,7 +6,8 @@ time, and hands each request's new tokens to the request's handler on the event 
 streamed; then it turns tokens into text (held back while it could still become a stop string), streams it as
 server-sent events or answers once, and cancels its request when the client goes away, which frees its slot. Routes:
 `/v1/completions`, `/v1/chat/completions` (the checkpoint's chat template), `/v1/models`, `/health`, `/metrics`
-(Prometheus text, `metrics`). Every error is OpenAI-shaped JSON; the engine thread survives any request.
+(Prometheus text, `metrics`). Every error is OpenAI-shaped JSON; the engine thread survives any request. Across hosts
+it sends its commands to the other processes before applying them (`hosts`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
+import jax
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -35,6 +37,7 @@ from specjax.config import SamplingConfig
 from specjax.decoding.engine import Engine, Event
 from specjax.errors import InputError
 from specjax.io.tokenizer import Tokenizer
+from specjax.serving.hosts import IDLE_S, apply, exchange, first_line, stop_followers, submit_command
 from specjax.serving.metrics import ServerMetrics, engine_counters
 from specjax.serving.protocol import APIError, Params, Reply, TextStream, body_of, event, params_of, prompt_ids, usage
 
@@ -42,7 +45,7 @@ ROUNDS_PER_STEP = 4  # engine rounds between two looks at new requests and cance
 DISCONNECT_POLL_S = 0.5  # how often an answer that is not streamed checks that its client is still there
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Job:
     """A request between its handler and the engine thread."""
 
@@ -70,18 +73,32 @@ def _settle(future: asyncio.Future, error: Exception | None) -> None:
 
 
 class EngineThread:
-    """Runs the engine on its own thread; `submit` and `cancel` may be called from anywhere."""
+    """Runs the engine on its own thread; `submit` and `cancel` may be called from anywhere.
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics):
-        self.engine, self.metrics = engine, metrics
+    Each pass turns the commands waiting in the inbox into the engine's (`hosts.apply`), adds a step while there is
+    work, hands them to the followers of a multi-host run (`hosts.exchange`) and applies them. With followers, a
+    failure of a collective or of a step is fatal (a peer is gone): every request gets a 503, later ones too, and
+    `on_failure` is called; with one process, a failed step ends the requests in the engine with a 500 and the engine
+    goes on.
+    """
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics, on_failure: Callable[[], None] = lambda: None):
+        self.engine, self.metrics, self.on_failure = engine, metrics, on_failure
+        self.hosts = jax.process_count()
+        self.failure: str | None = None  # why a multi-host server stopped
         self._inbox: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # orders `submit` against a failure's refusal of what waits
         self._jobs: dict[int, Job] = {}
         metrics.baseline(engine_counters(engine))
         self._thread = threading.Thread(target=self._run, name="specjax-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        self._inbox.put(("submit", job))
+        with self._lock:
+            if self.failure is None:
+                self._inbox.put(("submit", job))
+                return
+        job.loop.call_soon_threadsafe(_settle, job.queued, APIError(self.failure, 503))
 
     def cancel(self, job: Job) -> None:
         self._inbox.put(("cancel", job))
@@ -93,53 +110,91 @@ class EngineThread:
     def _deliver(self, job: Job, item: Event | Exception) -> None:
         job.loop.call_soon_threadsafe(job.events.put_nowait, item)
 
-    def _take(self, command: str, job: Job | None) -> bool:
-        """Applies one inbox command; False to stop."""
-        if command == "stop":
-            return False
-        if command == "submit":
+    def _gather(self) -> tuple[list[list], list[Job | None]] | None:
+        """The inbox's commands as the engine takes them, with the job of each submit (None for the others); None to
+        stop. While the engine has nothing to do it waits for the first, with followers at most IDLE_S seconds (then
+        the followers get no command, which tells them that process 0 is still there)."""
+        commands, jobs = [], []
+        wait = not (self.engine.busy or self.engine.queued)
+        while True:
             try:
-                job.id = self.engine.submit(job.prompt, job.max_tokens, job.sampling, job.seed)
-            except InputError as e:
-                job.loop.call_soon_threadsafe(_settle, job.queued, APIError(str(e)))
-                return True
-            self._jobs[job.id] = job
-            job.loop.call_soon_threadsafe(_settle, job.queued, None)
-        elif job.id in self._jobs:
-            self.engine.cancel(job.id)
-            del self._jobs[job.id]
-        return True
+                kind, job = self._inbox.get(block=wait, timeout=IDLE_S if self.hosts > 1 else None)
+            except queue.Empty:
+                return commands, jobs
+            wait = False
+            if kind == "stop":
+                return None
+            if kind == "submit":
+                commands.append(submit_command(job.prompt, job.max_tokens, job.sampling, job.seed))
+                jobs.append(job)
+            elif job in jobs:  # gone before the engine saw it
+                i = jobs.index(job)
+                del commands[i], jobs[i]
+            elif job.id in self._jobs:
+                commands.append(["cancel", job.id])
+                jobs.append(None)
+                del self._jobs[job.id]
 
     def _run(self) -> None:
-        while True:
-            block = not (self.engine.busy or self.engine.queued)  # wait for work when there is none
-            try:
-                while True:  # every command that is waiting, then a step
-                    command, job = self._inbox.get(block=block)
-                    block = False
-                    if not self._take(command, job):
-                        return
-            except queue.Empty:
-                pass
-            if not (self.engine.busy or self.engine.queued):
+        while (gathered := self._gather()) is not None:
+            commands, jobs = gathered
+            if commands or self.engine.busy or self.engine.queued:
+                commands.append(["step", ROUNDS_PER_STEP])
+                jobs.append(None)
+            elif self.hosts == 1:
                 continue
             try:
-                events = self.engine.step(ROUNDS_PER_STEP)
-            except Exception as e:  # the engine's failure ends the requests in it, not the server
+                for command, job in zip(exchange(commands), jobs):
+                    self._apply(command, job)
+            except Exception as e:  # the engine's failure ends the requests in it, not a one-process server
+                if self.hosts > 1:
+                    self._fail(e, jobs)
+                    return
                 for job in self._jobs.values():
                     self._deliver(job, APIError(f"decoding failed: {e}", 500))
                 self._jobs.clear()
                 self.engine.reset()
                 self.metrics.baseline(engine_counters(self.engine))
-                continue
-            self.metrics.engine_step(events, engine_counters(self.engine))
-            for step_event in events:
+        if self.hosts > 1:
+            stop_followers()
+
+    def _apply(self, command: list, job: Job | None) -> None:
+        """Applies a command to the engine and hands its outcome to the job or jobs it concerns."""
+        try:
+            outcome = apply(self.engine, command)
+        except InputError as e:
+            if job is None:
+                raise
+            job.loop.call_soon_threadsafe(_settle, job.queued, APIError(str(e)))
+            return
+        if job is not None:
+            job.id = outcome
+            self._jobs[job.id] = job
+            job.loop.call_soon_threadsafe(_settle, job.queued, None)
+        elif command[0] == "step":
+            self.metrics.engine_step(outcome, engine_counters(self.engine))
+            for step_event in outcome:
                 job = self._jobs.get(step_event.request)
                 if job is None:
                     continue
                 self._deliver(job, step_event)
                 if step_event.completion is not None:
                     del self._jobs[step_event.request]
+
+    def _fail(self, error: Exception, jobs: list[Job | None]) -> None:
+        """Ends every request, waiting or in the engine, and every later one with a 503, then calls `on_failure`."""
+        with self._lock:
+            self.failure = f"a process of this multi-host server failed, so it stops: {first_line(error)}"
+            waiting = []
+            while not self._inbox.empty():
+                waiting.append(self._inbox.get())
+        refusal = APIError(self.failure, 503)
+        for job in [job for kind, job in waiting if kind == "submit"] + [job for job in jobs if job is not None]:
+            job.loop.call_soon_threadsafe(_settle, job.queued, refusal)
+        for job in self._jobs.values():
+            self._deliver(job, refusal)
+        self._jobs.clear()
+        self.on_failure()
 
 
 @dataclasses.dataclass
@@ -318,6 +373,7 @@ def build_app(
     model_name: str,
     default_max_tokens: int | None = None,
     api_key: str | None = None,
+    on_failure: Callable[[], None] = lambda: None,
 ) -> Starlette:
     """The ASGI app serving `engine` (made with sampled=True) under the model id `model_name`.
 
@@ -327,11 +383,13 @@ def build_app(
       model_name: the id clients name (a request that names none gets it).
       default_max_tokens: a request's max_tokens when it gives none; None: what the context leaves, as vLLM.
       api_key: when given, the /v1 routes want `Authorization: Bearer <api_key>`.
+      on_failure: called (from the engine thread) when a multi-host server stops because a process failed; the
+        worker's `failure` says why.
     Returns:
       The Starlette app.
     """
     server_metrics = ServerMetrics(engine, time.monotonic)
-    worker = EngineThread(engine, server_metrics)
+    worker = EngineThread(engine, server_metrics, on_failure)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

@@ -20,7 +20,7 @@ from specjax.io.tokenizer import Tokenizer, check_text
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API (vLLM takes any number)
 ROLES = ("system", "developer", "user", "assistant")
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error"}
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
 
 # Parameters specjax does not implement, each with the value that asks for nothing (also accepted: null).
 NEUTRAL = {
