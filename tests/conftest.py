@@ -12,8 +12,12 @@ import repeat_drafter  # noqa: F401  registers a drafter only the tests know, wh
 from specjax.cli.common import prefer_onednn_dots
 from specjax.decoding import batch
 
-# Tests run on the CPU, in float32, with the XLA setting the decoding tools use (docs/cpu.md).
+# Tests run on the CPU, in float32, with the XLA setting the decoding tools use (docs/cpu.md), and with LLVM's
+# optimizations off: the suite's programs are small and compile far longer than they run (one file took 20 s instead
+# of 33), and the programs are the same (the option changes the machine code XLA emits, not what it computes).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 prefer_onednn_dots()
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,11 +35,15 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE
 # xdist hands whole files to its workers in collection order: the longest files first (by a full run on 2 cores) keep
 # both workers busy to the end, where alphabetical order left the longest ones running alone last. Order only.
 LONGEST_FIRST = (
-    "test_speculative.py",
-    "test_eagle3_decoding.py",
     "test_trainer.py",
     "test_engine.py",
-    "test_sharding.py",
+    "test_eagle3_decoding.py",
+    "test_speculative.py",
+    "test_readme.py",
+    "test_cli.py",
+    "test_attention.py",
+    "test_serve_hosts.py",
+    "test_run_folder.py",
 )
 
 

@@ -114,12 +114,12 @@ def test_a_seeded_request_samples_the_same_tokens_whoever_shares_the_slots(name)
 
 
 def test_a_refilled_slot_samples_exactly_the_targets_distribution():
-    """Requests of one prompt share 16 slots with longer requests of other prompts, so nearly every one lands in a
+    """Requests of one prompt share 8 slots with longer requests of other prompts, so nearly every one lands in a
     slot another request left (its cache, drafter state and policy state behind it). Their first two tokens, drafted
     by a small model and verified at temperature 1, follow P(t1, t2 | prompt) enumerated from the target."""
     hot, prompt, samples = SamplingConfig(temperature=1.0), [3, 5], 2048
     drafter = ModelDrafter(init_weights(CFG, jax.random.key(11), scale=0.5), CFG)
-    engine = Engine(WEIGHTS, CFG, drafter=drafter, num_draft_tokens=2, slots=16, max_context=64, sampled=True)
+    engine = Engine(WEIGHTS, CFG, drafter=drafter, num_draft_tokens=2, slots=8, max_context=64, sampled=True)
     others = requests(samples // 8, seed=3)
     ids = []
     for i in range(samples):
