@@ -30,6 +30,11 @@ RUN = os.environ.setdefault("SPECJAX_TESTS_RUN", str(os.getpid()))
 RUN_CACHE = Path(tempfile.gettempdir()) / f"specjax-tests-{RUN}"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(RUN_CACHE / "jax"))
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+# Every program, however quick to compile (without LLVM's optimizations most take under the default second).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+)
 
 
 # xdist hands whole files to its workers in collection order: the longest files first (by a full run on 2 cores) keep
