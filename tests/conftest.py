@@ -12,12 +12,16 @@ import repeat_drafter  # noqa: F401  registers a drafter only the tests know, wh
 from specjax.cli.common import prefer_onednn_dots
 from specjax.decoding import batch
 
-# Tests run on the CPU, in float32, with the XLA setting the decoding tools use (docs/cpu.md), and with LLVM's
-# optimizations off: the suite's programs are small and compile far longer than they run (one file took 20 s instead
-# of 33), and the programs are the same (the option changes the machine code XLA emits, not what it computes).
+# Tests run on the CPU, in float32, with the XLA setting the decoding tools use (docs/cpu.md), and with XLA's CPU
+# code generation set for compile time: LLVM's optimizations off and the older loop emitters for fusions. The suite's
+# programs are small and compile far longer than they run (test_engine, test_adaptive and test_smollm2_generate took
+# 132 s instead of 236), and the programs are the same (the options change the machine code XLA emits, not what it
+# computes).
+COMPILE_FAST = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"  # also for XLA_FLAGS tests set
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+for flag in COMPILE_FAST.split():
+    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 prefer_onednn_dots()
 
 REPO = Path(__file__).resolve().parent.parent

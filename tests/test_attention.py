@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import COMPILE_FAST
 
 from specjax import host
 from specjax.config import ModelConfig
@@ -172,7 +173,11 @@ def test_fused_kernel_on_a_mesh_reads_each_devices_shard():
     """On a data=2,tensor=2 mesh of fake CPU devices, each device runs the kernel (interpreted) on its rows and KV
     heads of the cache: the loop's output, and the cache is never gathered. The kernel's check, run while the forward
     is traced on the mesh, runs off it on one device."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{COMPILE_FAST} --xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+    }
     proc = subprocess.run([sys.executable, "-c", MESH_RUN], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     error, gathers = proc.stdout.split()

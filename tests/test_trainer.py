@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import COMPILE_FAST
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -44,7 +45,7 @@ def _compilation_cache(tmp_path_factory):
 
 def _env():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = COMPILE_FAST  # without the parent's device count or oneDNN dots
     if _CACHE:
         env.update(
             JAX_COMPILATION_CACHE_DIR=str(_CACHE[0]),
