@@ -185,31 +185,6 @@ def test_each_bucket_learns_from_its_timed_runs_whether_drafting_pays(step_s, dr
     assert engine._decoder(1).drafting is drafts  # a bucket whose drafting lost leaves the drafter out
 
 
-def test_a_loop_of_plain_entries_is_judged_against_the_clock_that_only_plain_steps_without_the_drafter_time(
-    monkeypatch,
-):
-    """The loop's plain entry keeps the drafter's state current, so it is no plain step: a run whose rounds all chose
-    it adds to the track record (here a loss against a clock of a microsecond) and leaves the clock alone. Once the
-    record says drafting lost, the bucket's runs leave the drafter out, and those time the clock."""
-    policy = dataclasses.replace(
-        Adaptive.of([0, 3], [1.0, 1e6], clock=(1e-6, 0.0)),
-        timed=jnp.asarray([0.0, 1.0]),  # drafting timed: priced out
-    )
-    engine = Engine(WEIGHTS, CFG, drafter=NgramDrafter(max_n=2), num_draft_tokens=policy, slots=2, max_context=64)
-    engine.complete([[3, 4, 5]], [12])
-    learned = engine.policies[1]
-    assert engine.state.menu_rounds.tolist()[1] == 0 and learned.clock.tolist() == policy.clock.tolist()
-    plain_steps, loop_steps = learned.track_record.tolist()
-    assert 0 < plain_steps < loop_steps and learned.cost[0] > 1.0  # the upkeep, timed
-    monkeypatch.setattr(engine_module, "VERDICT_STEPS", 1)
-    assert engine._decoder(1).drafting is False
-    engine.complete([[3, 4, 5]], [12])
-    assert engine.policies[1].clock[0] > policy.clock[0] and engine.policies[1].track_record.tolist() == [
-        plain_steps,
-        loop_steps,
-    ]
-
-
 def test_rows_that_ran_plain_steps_without_the_drafter_decode_exactly_when_they_draft_again(monkeypatch):
     """Plain steps without the drafter (`speculative.plain_round`) leave its state behind the rows; a row that drafts
     again from there still decodes exactly. Here every other run leaves out an EAGLE-3 head behind

@@ -469,7 +469,7 @@ class Engine:
         t0 = time.perf_counter()
         self.state, emitted = self._call(run, decoder, self.state, streamed, max_new, sampling, np.int32(max_rounds))
         emitted, counts = to_host((emitted, self._counters(self.state)))
-        self._learn(decoder, rows, time.perf_counter() - t0, counts, emitted.count_p[running])
+        self._learn(rows, time.perf_counter() - t0, counts, emitted.count_p[running])
         ran = int(counts[0] - self._counts[0])
         self._counts = counts
         self.runs_by_rows[rows] += 1
@@ -501,21 +501,22 @@ class Engine:
         )
         return dataclasses.replace(self.decoder, policy=policy, drafting=not lost)
 
-    def _learn(self, decoder: Decoder, rows: int, seconds: float, counts: tuple, count_p: np.ndarray) -> None:
-        """The bucket's policy after a run of `decoder` that took `seconds` (`Adaptive.learn`, as a one-shot call
-        learns from its call). A run without the drafter (`plain_round`) times the plain step, the clock the costs are
-        relative to; a run with it, even one whose rounds were all the loop's plain entry (which keeps the drafter's
-        state up), is a loop run, weighed in the track record against the plain steps its rows took."""
+    def _learn(self, rows: int, seconds: float, counts: tuple, count_p: np.ndarray) -> None:
+        """The bucket's policy after a run that took `seconds` (`Adaptive.learn`, as a one-shot call learns from its
+        call): a run of plain steps alone times the plain step (the clock its costs are relative to)."""
         (rounds, by_entry, hist, policy_state), (rounds0, by_entry0, hist0, policy_state0) = counts, self._counts
         policy = self.policies[rows]
         if not isinstance(policy, Adaptive) or rounds == rounds0:
             return  # a fixed K, or no round
+        by_entry = dict(zip(policy.menu, (by_entry - by_entry0).tolist()))
         evidence = np.asarray(policy.evidence(policy_state)) - np.asarray(policy.evidence(policy_state0))
+        drafted = any(n for k, n in by_entry.items() if k)  # else the run times the plain step alone
         stats = dataclasses.replace(
             SpecStats.from_histogram(int(rounds - rounds0), hist - hist0, int(count_p.sum()), seconds),
-            rounds_by_drafts=dict(zip(policy.menu, (by_entry - by_entry0).tolist())),
-            acceptance_evidence=[tuple(e) for e in evidence.tolist()] if decoder.drafting else [],
-            plain_steps=int(count_p.max()),
+            rounds_by_drafts=by_entry,
+            acceptance_evidence=[tuple(e) for e in evidence.tolist()] if drafted else [],
+            # what plain decoding would take here: the engine's own plain steps, at their learned cost
+            plain_steps=int(count_p.max()) * (float(policy.cost[policy.menu.index(0)]) if 0 in policy.menu else 1.0),
         )
         self.policies[rows] = policy.learn(stats)
 
