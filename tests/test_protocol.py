@@ -15,18 +15,13 @@ import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from served_tiny import CONTEXT, MODEL, NAME, K, served_engine
 
 from specjax.decoding.autoregressive import generate
 from specjax.decoding.engine import Engine, Event
-from specjax.drafters import NgramDrafter
-from specjax.io.loading import tiny_random_model
 from specjax.serving import build_app, running_in_thread
 from specjax.serving.metrics import WINDOW_S, ServerMetrics
 
-MODEL = tiny_random_model()
-NAME = "tiny"
-CONTEXT = 256
-K = 3
 PROMPT = "Once upon a time"  # greedy: no EOS in its first 250 tokens
 USER = [{"role": "user", "content": "Name three rivers."}]
 
@@ -43,16 +38,7 @@ class Records(logging.Handler):
 @pytest.fixture(scope="module")
 def server():
     """(base URL, engine, the server's log records at WARNING and above)."""
-    engine = Engine(
-        MODEL.weights,
-        MODEL.cfg,
-        drafter=NgramDrafter(),
-        num_draft_tokens=K,
-        slots=4,
-        max_context=CONTEXT,
-        sampled=True,
-        eos_ids=MODEL.eos_ids,
-    )
+    engine = served_engine()
     log = Records()
     with running_in_thread(build_app(engine, MODEL.tokenizer, NAME)) as base:
         loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error", "asyncio", "starlette")]

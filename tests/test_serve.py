@@ -15,29 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from served_tiny import MODEL, NAME, served_engine
 
 from specjax.decoding.autoregressive import generate
-from specjax.decoding.engine import Engine
-from specjax.drafters import NgramDrafter
-from specjax.io.loading import tiny_random_model
 from specjax.serving import build_app, running_in_thread
-
-MODEL = tiny_random_model()
-NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Engine(
-        MODEL.weights,
-        MODEL.cfg,
-        drafter=NgramDrafter(),
-        num_draft_tokens=3,
-        slots=4,
-        max_context=256,
-        sampled=True,
-        eos_ids=MODEL.eos_ids,
-    )
+    engine = served_engine()
     with running_in_thread(build_app(engine, MODEL.tokenizer, NAME)) as base:
         yield base, engine
 
