@@ -26,6 +26,12 @@ prefer_onednn_dots()
 
 REPO = Path(__file__).resolve().parent.parent
 
+
+def fake_devices(n: int) -> str:
+    """XLA_FLAGS for a process a test starts: the suite's compile settings and `n` CPU devices."""
+    return f"{COMPILE_FAST} --xla_force_host_platform_device_count={n}"
+
+
 # One persistent compilation cache for the whole run, shared by both workers and by every process a test starts:
 # many tests compile the same programs (the embedded model's prefill and rounds through each command line), and
 # XLA compiles each once. The first process (xdist's controller, whose environment the workers inherit) names it

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import COMPILE_FAST
+from conftest import fake_devices
 
 from specjax import host
 from specjax.config import ModelConfig
@@ -175,7 +175,7 @@ def test_fused_kernel_on_a_mesh_reads_each_devices_shard():
     is traced on the mesh, runs off it on one device."""
     env = {
         **os.environ,
-        "XLA_FLAGS": f"{COMPILE_FAST} --xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": fake_devices(4),
         "JAX_PLATFORMS": "cpu",
     }
     proc = subprocess.run([sys.executable, "-c", MESH_RUN], capture_output=True, text=True, env=env)

@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import openai
 import pytest
-from conftest import COMPILE_FAST
+from conftest import fake_devices
 
 from specjax.cli import serve
 from specjax.decoding.autoregressive import generate
@@ -48,7 +48,7 @@ def serving_pair(tmp_path: Path, slots: int):
     port, coordinator = free_port(), free_port()
     env = {
         **os.environ,
-        "XLA_FLAGS": f"{COMPILE_FAST} --xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": fake_devices(4),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # the second pair reads the first one's programs
     }
     logs = [tmp_path / f"process{i}.log" for i in range(2)]

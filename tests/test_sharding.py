@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import COMPILE_FAST
+from conftest import fake_devices
 
 from specjax.config import ModelConfig
 from specjax.errors import InputError
@@ -211,7 +211,7 @@ def test_generate_across_two_processes_gives_one_devices_tokens(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": f"{COMPILE_FAST} --xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "XLA_FLAGS": fake_devices(4)}
     procs = [
         subprocess.Popen(
             [
