@@ -9,16 +9,17 @@ sampled), all taking the `Decoder` (weights, drafter, policy):
   insert          its first token sampled, handed out at once, and that row (cache, drafter state, the policy's
                   per-row state) written over its slot;
   run             rounds of the loop (`speculative.next_round`) until a running row finishes, or `max_rounds` pass;
-                  the rows' new tokens come back packed (`Emitted`); a bucket whose drafting lost runs plain steps
-                  without the drafter's upkeep instead (`speculative.plain_round`), a program of its own;
+                  the rows' new tokens come back packed (`Emitted`); or plain steps without the drafter's upkeep
+                  (`speculative.plain_round`), a program of its own, where they serve the bucket faster (`Duel`);
   resize          the state moved to another bucket when the live rows outgrow it or leave it.
 Between programs the host streams each row's new tokens, takes finished rows' completions, inserts queued requests
-into the freed slots (JetStream's prefill / insert / generate split) and lets each bucket's adaptive policy learn from
-its timed run. While rows are running, a new prompt is prefilled one chunk per round of theirs, so a long prompt never
-stalls them for its whole prefill. Only the buckets' programs exist, so nothing compiles again as requests come and
-go once each has run (`Engine.warm` compiles them first). Rows do not interact: a row's tokens depend on its own
-request alone (its prompt, limit, sampling values and key), so greedy output equals the prompt decoded alone. Plain
-decoding is the same loop with every round a plain step (`Fixed(0)`, a drafter that never drafts).
+into the freed slots (JetStream's prefill / insert / generate split) and lets each bucket's adaptive policy learn
+from its timed run, and its `Duel` from the run's time. While rows are running, a new prompt is prefilled one chunk
+per round of theirs, so a long prompt never stalls them for its whole prefill. Only the buckets' programs exist, so
+nothing compiles again as requests come and go once each has run (`Engine.warm` compiles them first). Rows do not
+interact: a row's tokens depend on its own request alone (its prompt, limit, sampling values and key), so greedy
+output equals the prompt decoded alone. Plain decoding is the same loop with every round a plain step (`Fixed(0)`, a
+drafter that never drafts).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.adaptive import Adaptive, Fixed, Policy, menu_depths, menu_shapes
+from specjax.adaptive import Adaptive, Fixed, Policy, menu_shapes
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import speculative
 from specjax.decoding.batch import (
@@ -54,9 +55,57 @@ from specjax.sampling import Sampling
 
 DEFAULT_ROUNDS = 64  # rounds per `run` at most: how often a streaming client hears from a long row
 STEP_TOKENS = 128  # new tokens per row one `run` hands the host at most (`Emitted`)
-# The plain steps a bucket's drafting runs must have saved or lost before its track record may turn drafting off: a
-# few requests' worth, as a one-shot call judges a whole call, not its first rounds.
-VERDICT_STEPS = 256
+# A bucket's duel between drafting and plain steps (`Duel`): the tokens each way is timed over before the two are
+# compared, how much of a way's pooled timings a new run of it keeps, and the most of the time that re-checking the
+# slower way may lose (at the gap measured).
+DUEL_EVIDENCE = 32
+DUEL_MEMORY = 0.8
+DUEL_SHARE = 0.01
+
+
+@dataclasses.dataclass
+class Duel:
+    """Which serves a bucket faster, its drafting runs (the policy's rounds) or plain steps without the drafter
+    (`speculative.plain_round`): judged by each way's own timed runs, as a plain server would be timed (host side).
+
+    A way's figure is its seconds per token of a row: a run's seconds x the rows that ran, over the tokens they emitted,
+    pooled over its runs with the earlier ones weighed down by DUEL_MEMORY at each new one. Each way first runs until
+    it holds DUEL_EVIDENCE tokens; then the faster runs, and the other runs again once the faster has run for as long
+    as keeps the re-check's cost within DUEL_SHARE of the time (the re-check's run time x the gap / DUEL_SHARE), so a
+    change in the traffic (prompts that draft better, more rows) shows. A drafting run right after plain steps is not
+    counted (`Engine`): it catches the drafter up with the rows, whose state stays behind during plain steps, so
+    re-checking drafting takes two runs.
+    """
+
+    seconds: dict[bool, float] = dataclasses.field(default_factory=lambda: {True: 0.0, False: 0.0})  # x rows, pooled
+    tokens: dict[bool, float] = dataclasses.field(default_factory=lambda: {True: 0.0, False: 0.0})  # pooled
+    seen: dict[bool, int] = dataclasses.field(default_factory=lambda: {True: 0, False: 0})  # tokens counted in all
+    last_s: dict[bool, float] = dataclasses.field(default_factory=lambda: {True: 0.0, False: 0.0})  # latest run's
+    lead_s: float = 0.0  # the faster way's seconds since the other was last counted
+
+    def per_token(self, drafting: bool) -> float:
+        return self.seconds[drafting] / self.tokens[drafting]
+
+    def pick(self) -> bool:
+        """The way of the next run: True drafts."""
+        for drafting in (True, False):
+            if self.seen[drafting] < DUEL_EVIDENCE:
+                return drafting
+        lead = self.per_token(True) <= self.per_token(False)
+        gap = self.per_token(not lead) / self.per_token(lead) - 1
+        runs = 1 if lead else 2  # drafting after plain steps: a run that catches the drafter up, then the one counted
+        return (not lead) if self.lead_s >= runs * self.last_s[not lead] * gap / DUEL_SHARE else lead
+
+    def record(self, drafting: bool, seconds: float, rows: int, tokens: int) -> None:
+        """Counts a run of `rows` running rows that emitted `tokens` in `seconds`."""
+        if min(self.seen.values()) >= DUEL_EVIDENCE and self.per_token(drafting) <= self.per_token(not drafting):
+            self.lead_s += seconds
+        else:
+            self.lead_s = 0.0
+        self.seconds[drafting] = DUEL_MEMORY * self.seconds[drafting] + seconds * rows
+        self.tokens[drafting] = DUEL_MEMORY * self.tokens[drafting] + tokens
+        self.seen[drafting] += tokens
+        self.last_s[drafting] = seconds
 
 
 @jax.tree_util.register_dataclass
@@ -283,8 +332,8 @@ class Engine:
       drafter: any `Drafter`; None: plain decoding.
       num_draft_tokens: K or an adaptive menu, as `speculative_generate` takes (with a drafter); or one policy per
         bucket of rows (`buckets(slots)`), each with the same menu. An `Adaptive` policy learns from the bucket's
-        timed runs as a one-shot call's does (`Adaptive.learn`); where its track record shows drafting losing to the
-        engine's own plain steps, the bucket runs plain steps.
+        timed runs as a one-shot call's does (`Adaptive.learn`), and the bucket runs plain steps without the drafter
+        where its timed runs show them faster than its drafting runs (`Duel`).
       slots: B, rows decoded together: each `run` computes the smallest bucket of slots, from the first, that holds
         every live row, and a new request takes the lowest free slot.
       max_context: the longest prompt + max_new_tokens a request may ask for (S is the power of two above it).
@@ -339,6 +388,7 @@ class Engine:
         self.compile_seconds = 0.0  # spent compiling this engine's programs
         self.compiled_programs = 0  # and how many it compiled
         self._ids = 0
+        self.duels = {rows: Duel() for rows in self.buckets}  # whether each bucket drafts (`_decoder`)
         self.reset()
 
     def reset(self) -> None:
@@ -354,10 +404,11 @@ class Engine:
         # {"running": row-rounds of live rows, "idle": of free slots inside the bucket that ran}
         self.slot_rounds = collections.Counter()
         self.runs_by_rows = collections.Counter()  # `run` calls per bucket
+        self._drafted = True  # the latest run drafted
 
     @property
     def _may_stop_drafting(self) -> bool:
-        """Whether a bucket's track record can turn its drafting off: an adaptive menu with the plain step."""
+        """Whether a bucket may run plain steps without the drafter (`Duel`): an adaptive menu with the plain step."""
         policy = self.decoder.policy
         return isinstance(policy, Adaptive) and 0 in policy.menu and not isinstance(self.decoder.drafter, PlainSteps)
 
@@ -466,10 +517,15 @@ class Engine:
         max_new = np.array([r.max_new if r else 1 for r in live], np.int32)
         sampling = self._sampling([r.sampling if r else SamplingConfig() for r in live])
         decoder = self._decoder(rows)
+        jax.block_until_ready((self.state, self._prefill and self._prefill.prefilled))  # the time is the run's alone
         t0 = time.perf_counter()
         self.state, emitted = self._call(run, decoder, self.state, streamed, max_new, sampling, np.int32(max_rounds))
         emitted, counts = to_host((emitted, self._counters(self.state)))
-        self._learn(rows, time.perf_counter() - t0, counts, emitted.count_p[running])
+        seconds = time.perf_counter() - t0
+        self._learn(rows, seconds, counts, emitted.count_p[running])
+        if self._may_stop_drafting and (self._drafted or not decoder.drafting):  # else it catches the drafter up
+            self.duels[rows].record(decoder.drafting, seconds, len(running), int(emitted.count_p[running].sum()))
+        self._drafted = decoder.drafting
         ran = int(counts[0] - self._counts[0])
         self._counts = counts
         self.runs_by_rows[rows] += 1
@@ -491,15 +547,9 @@ class Engine:
 
     def _decoder(self, rows: int) -> Decoder:
         """What a run of `rows` rows decodes with: the bucket's policy, or plain steps without the drafter's upkeep
-        where the bucket's track record, once it holds VERDICT_STEPS, says that its drafting lost to its plain steps
-        (`Adaptive.never_drafts`)."""
-        policy = self.policies[rows]
-        lost = (
-            self._may_stop_drafting
-            and policy.track_record[0] >= VERDICT_STEPS
-            and policy.never_drafts(menu_depths(self.decoder.drafter, policy.menu))
-        )
-        return dataclasses.replace(self.decoder, policy=policy, drafting=not lost)
+        where the bucket's `Duel` says that they serve it faster."""
+        drafting = self.duels[rows].pick() if self._may_stop_drafting else True
+        return dataclasses.replace(self.decoder, policy=self.policies[rows], drafting=drafting)
 
     def _learn(self, rows: int, seconds: float, counts: tuple, count_p: np.ndarray) -> None:
         """The bucket's policy after a run that took `seconds` (`Adaptive.learn`, as a one-shot call learns from its
