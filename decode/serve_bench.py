@@ -3,7 +3,10 @@ of concurrent clients, against a plain-decoding server measured in the same run 
 
 Each mode is a server (started here on 127.0.0.1, as specjax-serve makes it: every bucket calibrated and compiled
 first), `none` (plain decoding) or `DRAFTER@K` with K a number of draft tokens or `auto` (adaptive drafting, the
-default). `--url` benchmarks a server that is already running instead. Per level: requests/s, output tokens/s, and the
+default). Every server is started first, then each level runs against each server in turn, `--repeats` times, so the
+servers compared at a level are measured minutes apart at most on a machine whose speed drifts; the table gives each
+mode's median ratio to the plain server over the repeats. `--url` benchmarks a server that is already running
+instead. Per level: requests/s, output tokens/s, and the
 p50/p90/p99 of time to first token (TTFT), time per output token after it (TPOT), inter-token latency (ITL: between two
 streamed chunks, each chunk's tokens sharing its gap) and end-to-end latency; mean accepted length and acceptance by
 position from the server's /metrics. With `--one-shot`, each mode's prompts are also decoded one at a time in this
@@ -14,7 +17,7 @@ JSON is rewritten after every level, so a stopped run keeps what it measured; th
 
 Usage: python decode/serve_bench.py [--model smollm2-135m] [--modes none,ngram+eagle3:smollm2-135m@auto]
            [--prompt-set chat|code] [--clients 1,4,16] [--requests 16] [--seconds 300] [--max-tokens 64] [--slots 8]
-           [--url http://127.0.0.1:8000] [--one-shot] [--out serve_bench.json]
+           [--repeats 1] [--url http://127.0.0.1:8000] [--one-shot] [--out serve_bench.json]
 """
 
 from __future__ import annotations
@@ -165,16 +168,30 @@ def server(model, mode: tuple[str, int | str], args):
         yield base, engine.compiled_programs
 
 
+def ratios(rows: list[dict]) -> dict[tuple[str, int], float]:
+    """Each (mode, clients): the median over the repeats of its output tokens/s over the plain server's in the same
+    repeat."""
+    plain = {(r["clients"], r.get("repeat")): r["output_tokens_per_s"] for r in rows if r["mode"] == "none"}
+    by_level: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        if (r["clients"], r.get("repeat")) in plain and r["mode"] != "none":
+            ratio = r["output_tokens_per_s"] / plain[r["clients"], r.get("repeat")]
+            by_level.setdefault((r["mode"], r["clients"]), []).append(ratio)
+    return {level: float(np.median(values)) for level, values in by_level.items()}
+
+
 def table(rows: list[dict]) -> str:
-    """Markdown: each row's throughput against the plain server's at the same clients, and its latencies."""
-    plain = {r["clients"]: r["output_tokens_per_s"] for r in rows if r["mode"] == "none"}
+    """Markdown: each row's throughput against the plain server's at the same clients and repeat, and its latencies;
+    then each mode's median ratio over the repeats."""
+    plain = {(r["clients"], r.get("repeat")): r["output_tokens_per_s"] for r in rows if r["mode"] == "none"}
     out = [
         "| mode | clients | requests | req/s | output tok/s | vs plain | TTFT p50 | TPOT p50 | ITL p50 | e2e p50 / p99 "
         "| accepted |",
         "|" + "---|" * 11,
     ]
     for r in rows:
-        ratio = f"{r['output_tokens_per_s'] / plain[r['clients']]:.2f}x" if r["clients"] in plain else "-"
+        base = plain.get((r["clients"], r.get("repeat")))
+        ratio = f"{r['output_tokens_per_s'] / base:.2f}x" if base else "-"
         ms = {k: f"{1000 * r[k]['p50']:.0f} ms" if r.get(k) else "-" for k in ("ttft_s", "tpot_s", "itl_s")}
         e2e = f"{r['e2e_s']['p50']:.2f} / {r['e2e_s']['p99']:.2f} s" if r.get("e2e_s") else "-"
         accepted = f"{r['mean_accepted']:.2f}" if "mean_accepted" in r else "-"
@@ -183,6 +200,10 @@ def table(rows: list[dict]) -> str:
             f"{r['output_tokens_per_s']:.1f} | {ratio} | {ms['ttft_s']} | {ms['tpot_s']} | {ms['itl_s']} | {e2e} | "
             f"{accepted} |"
         )
+    medians = ratios(rows)
+    if medians:
+        out += ["", "| mode | clients | median vs plain |", "|---|---:|---:|"]
+        out += [f"| {mode} | {clients} | {ratio:.2f}x |" for (mode, clients), ratio in medians.items()]
     return "\n".join(out)
 
 
@@ -193,11 +214,13 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in dict.fromkeys(r["mode"] for r in rows):
+    for mode in dict.fromkeys(r["mode"] for r in rows):  # the median over the repeats at each level
         mine = [r for r in rows if r["mode"] == mode and isinstance(r["clients"], int)]
-        clients = [r["clients"] for r in mine]
-        a.plot(clients, [r["output_tokens_per_s"] for r in mine], marker="o", label=mode)
-        b.plot(clients, [r["tpot_s"].get("p50", 0) * 1000 for r in mine], marker="o", label=mode)
+        clients = sorted({r["clients"] for r in mine})
+        at = [[r for r in mine if r["clients"] == c] for c in clients]
+        a.plot(clients, [np.median([r["output_tokens_per_s"] for r in rs]) for rs in at], marker="o", label=mode)
+        tpot = [np.median([r["tpot_s"].get("p50", 0) * 1000 for r in rs]) for rs in at]
+        b.plot(clients, tpot, marker="o", label=mode)
     for ax, what in ((a, "output tokens/s"), (b, "TPOT p50 (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
@@ -218,6 +241,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=1, help="each level against each server this many times in turn")
     p.add_argument("--url", default=None, help="a running server to benchmark instead (one mode: what it serves)")
     p.add_argument("--one-shot", action="store_true", help="also decode each mode's prompts one at a time here")
     p.add_argument("--out", type=Path, default=Path("serve_bench.json"))
@@ -230,16 +254,21 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"machine": machine(), "prompt_set": args.prompt_set, "max_tokens": args.max_tokens, "slots": args.slots}
     rows = report["rows"] = []
-    for mode in modes:
-        serving = contextlib.nullcontext((args.url, None)) if args.url else server(model, parse_mode(mode), args)
-        with serving as (base, compiled):
-            for clients in levels:
-                rows.append({"mode": mode, **level(base, clients, prompts, chat, args), "compiled_at_start": compiled})
-                print(json.dumps(rows[-1]), file=sys.stderr)
-                args.out.write_text(json.dumps(report, indent=1))
-        if args.one_shot and model is not None:
-            rows.append({"mode": mode, **one_shot(model, parse_mode(mode), prompts, chat, args)})
-            args.out.write_text(json.dumps(report, indent=1))
+    with contextlib.ExitStack() as servers:
+        bases = {
+            mode: servers.enter_context(server(model, parse_mode(mode), args)) if model else (args.url, None)
+            for mode in modes
+        }
+        for clients in levels:
+            for repeat in range(args.repeats):
+                for mode, (base, compiled) in bases.items():
+                    measured = level(base, clients, prompts, chat, args)
+                    rows.append({"mode": mode, "repeat": repeat, **measured, "compiled_at_start": compiled})
+                    print(json.dumps(rows[-1]), file=sys.stderr)
+                    args.out.write_text(json.dumps(report, indent=1))
+    for mode in modes if args.one_shot and model is not None else ():
+        rows.append({"mode": mode, **one_shot(model, parse_mode(mode), prompts, chat, args)})
+        args.out.write_text(json.dumps(report, indent=1))
     print(table(rows))
     plot(rows, args.out.with_suffix(".png"))
 
