@@ -68,13 +68,14 @@ class Duel:
     """Which serves a bucket faster, its drafting runs (the policy's rounds) or plain steps without the drafter
     (`speculative.plain_round`): judged by each way's own timed runs, as a plain server would be timed (host side).
 
-    A way's figure is its seconds per token of a row: a run's seconds x the rows that ran, over the tokens they emitted,
-    pooled over its runs with the earlier ones weighed down by DUEL_MEMORY at each new one. Each way first runs until
-    it holds DUEL_EVIDENCE tokens; then the faster runs, and the other runs again once the faster has run for as long
-    as keeps the re-check's cost within DUEL_SHARE of the time (the re-check's run time x the gap / DUEL_SHARE), so a
-    change in the traffic (prompts that draft better, more rows) shows. A drafting run right after plain steps is not
-    counted (`Engine`): it catches the drafter up with the rows, whose state stays behind during plain steps, so
-    re-checking drafting takes two runs.
+    A way's figure is its seconds per token of a row: a run's seconds x the rows that ran, over the tokens they
+    emitted, pooled over its runs with the earlier ones weighed down by DUEL_MEMORY at each new one. Each way first
+    runs until it holds DUEL_EVIDENCE tokens, plain steps first (they time the plain step, the clock of the policy's
+    costs, before a drafting run is measured against it: `Adaptive.learn`); then the faster runs, and the other runs
+    again once the faster has run for as long as keeps the re-check's cost within DUEL_SHARE of the time (the re-
+    check's run time x the gap / DUEL_SHARE), so a change in the traffic (prompts that draft better, more rows)
+    shows. A drafting run right after plain steps is not counted (`Engine`): it catches the drafter up with the
+    rows, whose state stays behind during plain steps, so re-checking drafting takes two runs.
     """
 
     seconds: dict[bool, float] = dataclasses.field(default_factory=lambda: {True: 0.0, False: 0.0})  # x rows, pooled
@@ -88,7 +89,7 @@ class Duel:
 
     def pick(self) -> bool:
         """The way of the next run: True drafts."""
-        for drafting in (True, False):
+        for drafting in (False, True):  # plain steps first: they time the clock that drafting's costs are relative to
             if self.seen[drafting] < DUEL_EVIDENCE:
                 return drafting
         lead = self.per_token(True) <= self.per_token(False)
