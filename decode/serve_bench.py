@@ -195,8 +195,9 @@ def table(rows: list[dict]) -> str:
         ms = {k: f"{1000 * r[k]['p50']:.0f} ms" if r.get(k) else "-" for k in ("ttft_s", "tpot_s", "itl_s")}
         e2e = f"{r['e2e_s']['p50']:.2f} / {r['e2e_s']['p99']:.2f} s" if r.get("e2e_s") else "-"
         accepted = f"{r['mean_accepted']:.2f}" if "mean_accepted" in r else "-"
+        per_s = f"{r['requests_per_s']:.3f}" if "requests_per_s" in r else "-"
         out.append(
-            f"| {r['mode']} | {r['clients']} | {r['requests']} | {r.get('requests_per_s', 0):.3f} | "
+            f"| {r['mode']} | {r['clients']} | {r['requests']} | {per_s} | "
             f"{r['output_tokens_per_s']:.1f} | {ratio} | {ms['ttft_s']} | {ms['tpot_s']} | {ms['itl_s']} | {e2e} | "
             f"{accepted} |"
         )
