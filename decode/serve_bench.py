@@ -168,10 +168,15 @@ def server(model, mode: tuple[str, int | str], args):
         yield base, engine.compiled_programs
 
 
+def plain_by_level(rows: list[dict]) -> dict[tuple, float]:
+    """The plain server's output tokens/s per (clients, repeat)."""
+    return {(r["clients"], r.get("repeat")): r["output_tokens_per_s"] for r in rows if r["mode"] == "none"}
+
+
 def ratios(rows: list[dict]) -> dict[tuple[str, int], float]:
     """Each (mode, clients): the median over the repeats of its output tokens/s over the plain server's in the same
     repeat."""
-    plain = {(r["clients"], r.get("repeat")): r["output_tokens_per_s"] for r in rows if r["mode"] == "none"}
+    plain = plain_by_level(rows)
     by_level: dict[tuple[str, int], list[float]] = {}
     for r in rows:
         if (r["clients"], r.get("repeat")) in plain and r["mode"] != "none":
@@ -183,7 +188,7 @@ def ratios(rows: list[dict]) -> dict[tuple[str, int], float]:
 def table(rows: list[dict]) -> str:
     """Markdown: each row's throughput against the plain server's at the same clients and repeat, and its latencies;
     then each mode's median ratio over the repeats."""
-    plain = {(r["clients"], r.get("repeat")): r["output_tokens_per_s"] for r in rows if r["mode"] == "none"}
+    plain = plain_by_level(rows)
     out = [
         "| mode | clients | requests | req/s | output tok/s | vs plain | TTFT p50 | TPOT p50 | ITL p50 | e2e p50 / p99 "
         "| accepted |",
