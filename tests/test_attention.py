@@ -44,12 +44,13 @@ def random_qkv(rng, B, T, S, K=2, G=2, H=8):
     return draw(B, T, K, G, H), draw(B, S, K, H), draw(B, S, K, H), draw(B, T, K, H), draw(B, T, K, H)
 
 
-@pytest.mark.parametrize("block", [16, 48, 512])
+@pytest.mark.parametrize("block,tail", [(16, 16), (48, 8), (48, 32), (512, 8)])
 @pytest.mark.parametrize("T", [1, 5])
-def test_blocks_up_to_the_live_length_equal_dense_attention(monkeypatch, block, T):
-    """Rows of different lengths, blocks that do not divide the buffer (the last one overlaps the one before), chain
-    and tree masks; and slots past the live blocks are never read (NaN there changes nothing)."""
+def test_blocks_up_to_the_live_length_equal_dense_attention(monkeypatch, block, tail, T):
+    """Rows of different lengths, blocks and tail blocks that do not divide the buffer (the last one overlaps the one
+    before), chain and tree masks; and slots past the live blocks are never read (NaN there changes nothing)."""
     monkeypatch.setattr(attention, "KV_BLOCK", block)
+    monkeypatch.setattr(attention, "KV_TAIL", tail)
     rng = np.random.default_rng(block + T)
     B, S = 2, 100
     q, k_cache, v_cache, k_new, v_new = random_qkv(rng, B, T, S)
@@ -58,7 +59,12 @@ def test_blocks_up_to_the_live_length_equal_dense_attention(monkeypatch, block, 
     cache_mask = np.broadcast_to(np.arange(S)[None, None, :] < lengths[:, None, None], (B, T, S))
     expected = dense(q, k_cache, v_cache, k_new, v_new, cache_mask, tree)
 
-    unread = -(-lengths.max() // min(block, S)) * min(block, S)  # first slot of the blocks past the live length
+    size = min(block, S)
+    if size == S:  # one block: read whole
+        unread = S
+    else:  # the first slot past the whole blocks and the tail blocks that hold the live length
+        whole = lengths.max() // size * size
+        unread = whole + -(-(lengths.max() - whole) // min(tail, size)) * min(tail, size)
     k_poisoned, v_poisoned = k_cache.copy(), v_cache.copy()
     k_poisoned[:, unread:] = v_poisoned[:, unread:] = np.nan
 

@@ -165,16 +165,18 @@ def test_a_stream_of_requests_compiles_a_few_programs_per_bucket_and_static_batc
 
 class RoundClock:
     """A stand-in for the engine's `time`: each round of a run costs `draft_s` seconds where the run drafted, one
-    second where it ran plain steps; nothing else takes time."""
+    second where it ran plain steps; nothing else takes time. `runs`: each run's way (True drafts) and rounds."""
 
     def __init__(self, engine: Engine, draft_s: float, monkeypatch):
-        self.engine, self.draft_s, self.now, self.rounds, self.ways = engine, draft_s, 0.0, 0, []
+        self.engine, self.draft_s, self.now, self.rounds, self.ways, self.runs = engine, draft_s, 0.0, 0, [], []
         pick = engine._decoder
         monkeypatch.setattr(engine, "_decoder", lambda rows: self.ways.append(pick(rows)) or self.ways[-1])
         monkeypatch.setattr(engine_module, "time", self)
 
     def perf_counter(self) -> float:
         rounds, self.rounds = self.rounds, int(self.engine.state.rounds)
+        if self.rounds > rounds:
+            self.runs.append((self.ways[-1].drafting, self.rounds - rounds))
         self.now += (self.rounds - rounds) * (self.draft_s if self.ways[-1].drafting else 1.0)
         return self.now
 
@@ -183,8 +185,9 @@ class RoundClock:
 def test_each_bucket_runs_what_its_timed_runs_show_faster_drafting_or_plain_steps(draft_s, drafts, monkeypatch):
     """A clock that prices a drafting round at 5 plain steps makes drafting lose (a round emits at most 4 tokens a
     row), so the bucket turns to plain steps without the drafter; at half a step drafting wins and goes on. Either
-    way the other way is re-checked now and then, within a small share of the time, and each greedy output is the
-    prompt's alone."""
+    way the other way is re-checked now and then, within a small share of the time, a drafting run after plain steps
+    is one round (it catches the drafter up), and each greedy output is the prompt's alone. What bucket 1 learned of
+    the acceptance is every bucket's prior; the costs stay each bucket's own."""
     engine = Engine(
         WEIGHTS,
         CFG,
@@ -203,6 +206,11 @@ def test_each_bucket_runs_what_its_timed_runs_show_faster_drafting_or_plain_step
     assert (duel.per_token(True) < duel.per_token(False)) is drafts
     tail = clock.ways[len(clock.ways) // 2 :]  # the runs after both ways were timed
     assert sum(d.drafting is not drafts for d in tail) <= 0.1 * len(tail)
+    catch_ups = [rounds for (before, _), (drafted, rounds) in zip(clock.runs, clock.runs[1:]) if drafted and not before]
+    assert catch_ups and set(catch_ups) == {1}
+    one, two = engine.policies[1], engine.policies[2]
+    assert np.array_equal(one.prior, two.prior) and not np.allclose(one.prior, 0.6)  # it moved
+    assert float(one.track_record.sum()) > 0 and float(two.track_record.sum()) == 0  # a bucket's own calls
 
 
 def test_a_duel_loses_at_most_its_share_to_re_checks_and_follows_a_change_in_the_traffic():

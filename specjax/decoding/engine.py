@@ -13,13 +13,13 @@ sampled), all taking the `Decoder` (weights, drafter, policy):
                   (`speculative.plain_round`), a program of its own, where they serve the bucket faster (`Duel`);
   resize          the state moved to another bucket when the live rows outgrow it or leave it.
 Between programs the host streams each row's new tokens, takes finished rows' completions, inserts queued requests
-into the freed slots (JetStream's prefill / insert / generate split) and lets each bucket's adaptive policy learn
-from its timed run, and its `Duel` from the run's time. While rows are running, a new prompt is prefilled one chunk
-per round of theirs, so a long prompt never stalls them for its whole prefill. Only the buckets' programs exist, so
-nothing compiles again as requests come and go once each has run (`Engine.warm` compiles them first). Rows do not
-interact: a row's tokens depend on its own request alone (its prompt, limit, sampling values and key), so greedy
-output equals the prompt decoded alone. Plain decoding is the same loop with every round a plain step (`Fixed(0)`, a
-drafter that never drafts).
+into the freed slots (JetStream's prefill / insert / generate split) and lets each bucket's adaptive policy learn from
+its timed run (the costs its own, the acceptance every bucket's), and its `Duel` from the run's time. While rows are
+running, a new prompt is prefilled one chunk per round of theirs, so a long prompt never stalls them for its whole
+prefill. Only the buckets' programs exist, so nothing compiles again as requests come and go once each has run
+(`Engine.warm` compiles them first). Rows do not interact: a row's tokens depend on its own request alone (its prompt,
+limit, sampling values and key), so greedy output equals the prompt decoded alone. Plain decoding is the same loop
+with every round a plain step (`Fixed(0)`, a drafter that never drafts).
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ class Duel:
     costs, before a drafting run is measured against it: `Adaptive.learn`); then the faster runs, and the other runs
     again once the faster has run for as long as keeps the re-check's cost within DUEL_SHARE of the time (the re-
     check's run time x the gap / DUEL_SHARE), so a change in the traffic (prompts that draft better, more rows)
-    shows. A drafting run right after plain steps is not counted (`Engine`): it catches the drafter up with the
-    rows, whose state stays behind during plain steps, so re-checking drafting takes two runs.
+    shows. A drafting run right after plain steps is one round and not counted (`Engine`): it catches the drafter up
+    with the rows, whose state stays behind during plain steps, so re-checking drafting takes two runs (the budget
+    prices the round as a whole run).
     """
 
     seconds: dict[bool, float] = dataclasses.field(default_factory=lambda: {True: 0.0, False: 0.0})  # x rows, pooled
@@ -94,7 +95,7 @@ class Duel:
                 return drafting
         lead = self.per_token(True) <= self.per_token(False)
         gap = self.per_token(not lead) / self.per_token(lead) - 1
-        runs = 1 if lead else 2  # drafting after plain steps: a run that catches the drafter up, then the one counted
+        runs = 1 if lead else 2  # drafting after plain steps: a round that catches the drafter up, then the run counted
         return (not lead) if self.lead_s >= runs * self.last_s[not lead] * gap / DUEL_SHARE else lead
 
     def record(self, drafting: bool, seconds: float, rows: int, tokens: int) -> None:
@@ -509,15 +510,16 @@ class Engine:
         running = [i for i, r in enumerate(self._rows) if r is not None]
         if firsts or not running:
             return firsts  # a new request's first token goes out before any round
-        if self._prefill is not None:  # a prompt is being prefilled: one round between two of its chunks
-            max_rounds = 1
         rows = next(b for b in self.buckets if b > running[-1])
+        decoder = self._decoder(rows)
+        # one round between two chunks of a prompt being prefilled; one round that catches the drafter up (`Duel`)
+        if self._prefill is not None or (decoder.drafting and not self._drafted):
+            max_rounds = 1
         self._resize(rows)
         live = self._rows[:rows]
         streamed = np.array([len(r.output) if r else 0 for r in live], np.int32)
         max_new = np.array([r.max_new if r else 1 for r in live], np.int32)
         sampling = self._sampling([r.sampling if r else SamplingConfig() for r in live])
-        decoder = self._decoder(rows)
         jax.block_until_ready((self.state, self._prefill and self._prefill.prefilled))  # the time is the run's alone
         t0 = time.perf_counter()
         self.state, emitted = self._call(run, decoder, self.state, streamed, max_new, sampling, np.int32(max_rounds))
@@ -569,7 +571,13 @@ class Engine:
             # what plain decoding would take here: the engine's own plain steps, at their learned cost
             plain_steps=int(count_p.max()) * (float(policy.cost[policy.menu.index(0)]) if 0 in policy.menu else 1.0),
         )
-        self.policies[rows] = policy.learn(stats)
+        learned = policy.learn(stats)
+        # acceptance is the traffic's, not the bucket's: every bucket drafts from the rates any of them learned
+        for other, p in self.policies.items():
+            if isinstance(p, Adaptive):
+                self.policies[other] = (
+                    learned if other == rows else dataclasses.replace(p, prior=learned.prior, seen=learned.seen)
+                )
 
     def cancel(self, request: int) -> bool:
         """Drops a queued request, or ends a running one and frees its slot (its row finishes where it is). Whether
