@@ -78,18 +78,28 @@ def test_greedy_output_through_refilled_slots_equals_each_prompt_alone(case):
 
 
 @pytest.mark.parametrize("name", ["plain", "eagle3-tree"])
-def test_a_seeded_request_samples_the_same_tokens_whoever_shares_the_slots(name):
+def test_a_seeded_request_samples_the_same_tokens_whoever_shares_the_slots(name, monkeypatch):
     """Temperature 1 (the tree's drafts sampled too): each request's tokens, by its own seed, are those it gets
     alone: from `speculative_generate([prompt], seed=[seed])` with the drafter (the same loop, no engine), from a
     one-slot engine for plain decoding (whose rounds split their keys as the speculative loop does, not as
-    `generate`'s steps)."""
+    `generate`'s steps). Greedy requests between them decode as greedy decoding does, by the greedy program
+    wherever every running row is greedy, the sampled one beside sampled rows."""
     hot = SamplingConfig(temperature=1.0)
     drafter = plain_or(DRAFTERS.get(name))
     shared = Engine(WEIGHTS, CFG, drafter=drafter, num_draft_tokens=3, slots=2, max_context=64, sampled=True)
     alone = Engine(WEIGHTS, CFG, drafter=drafter, num_draft_tokens=3, slots=1, max_context=64, sampled=True)
+    calls, call = [], shared._call
+    monkeypatch.setattr(
+        shared, "_call", lambda fn, *args, **static: calls.append((fn, args)) or call(fn, *args, **static)
+    )
     work = requests(6, seed=11)
+    cold = {shared.submit(p, n): (p, n) for p, n in requests(3, seed=12)}
     ids = {shared.submit(p, n, hot, seed=100 + i): (p, n, 100 + i) for i, (p, n) in enumerate(work)}
+    cold |= {shared.submit(p, n): (p, n) for p, n in requests(3, seed=13)}
     done = {e.request: e.completion for e in shared.events(max_rounds=2) if e.completion is not None}
+    for i, (prompt, limit) in cold.items():
+        assert done[i].output_ids == generate(WEIGHTS, CFG, [prompt], max_new_tokens=limit).completions[0].output_ids
+    assert {args[4].greedy for fn, args in calls if fn is engine_module.run} == {True, False}
     for i, (prompt, limit, seed) in ids.items():
         if drafter is None:
             expected = alone.complete([prompt], limit, hot, seeds=[seed])[0].output_ids

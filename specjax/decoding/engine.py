@@ -340,7 +340,7 @@ class Engine:
         every live row, and a new request takes the lowest free slot.
       max_context: the longest prompt + max_new_tokens a request may ask for (S is the power of two above it).
       sampled: False: every request greedy (the greedy program); True: per-request sampling values (a request with
-        temperature 0 is greedy inside it).
+        temperature 0 is greedy inside it; a run whose rows are all greedy takes the greedy program).
       eos_ids: tokens that end a row; defaults to the config's EOS ids.
       prefill_chunk: prompt tokens per prefill forward; defaults to the platform's.
       seed: where a request gives no seed of its own, request i's key is folded from this seed's and i.
@@ -442,9 +442,11 @@ class Engine:
             self._resize(rows)
             nothing = np.zeros((rows,), np.int32)
             sampling = self._sampling([SamplingConfig()] * rows)
-            for drafting in (True, False) if self._may_stop_drafting else (True,):
-                decoder = dataclasses.replace(self.decoder, drafting=drafting)
-                self.state, _ = self._call(run, decoder, self.state, nothing, nothing + 1, sampling, np.int32(0))
+            for greedy in {True, sampling.greedy}:  # a sampled engine's rows may all be greedy (`step`)
+                for drafting in (True, False) if self._may_stop_drafting else (True,):
+                    decoder = dataclasses.replace(self.decoder, drafting=drafting)
+                    args = (nothing, nothing + 1, dataclasses.replace(sampling, greedy=greedy), np.int32(0))
+                    self.state, _ = self._call(run, decoder, self.state, *args)
             self.complete([[0]], 1)  # prefills and inserts over slot 0, then ends at its first token
 
     @staticmethod
@@ -519,7 +521,9 @@ class Engine:
         live = self._rows[:rows]
         streamed = np.array([len(r.output) if r else 0 for r in live], np.int32)
         max_new = np.array([r.max_new if r else 1 for r in live], np.int32)
-        sampling = self._sampling([r.sampling if r else SamplingConfig() for r in live])
+        settings = [r.sampling if r else SamplingConfig() for r in live]
+        # rows that are all greedy take the greedy program: the same tokens, without the sampled program's work
+        sampling = dataclasses.replace(self._sampling(settings), greedy=all(s.greedy for s in settings))
         jax.block_until_ready((self.state, self._prefill and self._prefill.prefilled))  # the time is the run's alone
         t0 = time.perf_counter()
         self.state, emitted = self._call(run, decoder, self.state, streamed, max_new, sampling, np.int32(max_rounds))
