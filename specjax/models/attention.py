@@ -37,8 +37,8 @@ from specjax.host import log
 from specjax.sharding import CACHE_AXES, partition_spec
 
 KV_BLOCK = 512  # cache slots read per block
-KV_TAIL = 128  # per block past the last whole one: a short text reads little beyond its end (a row's rounds
-# read its slots through all of the block they end in: 22% of an 8-row plain step of SmolLM2 at 512 on a CPU)
+KV_TAIL = 128  # per block past the last whole one: a short text reads little beyond its end (read through a whole
+# 512-slot block, 8 short rows of SmolLM2 took a third more time a plain step on a CPU)
 FUSED_MAX_TOKENS = 64  # the kernel's state for all new tokens of a row stays in VMEM: prefill chunks take the loop
 KERNEL_PLATFORMS = ("tpu",)  # where "auto" considers the kernel (the tests add "cpu", where it runs interpreted)
 NEG = float(jnp.finfo(jnp.float32).min)  # the loop's score of a slot not seen; the kernel's first running max
