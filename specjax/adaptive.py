@@ -281,7 +281,8 @@ def soonest_entry(
     adaptive: Adaptive, depths: Sequence[int], rate_b: jax.Array, pace_b: jax.Array, remaining_b: jax.Array
 ):
     """The menu entry that would end the batch soonest (int32 []): least cost of the round plus the steps its slowest
-    row would still need after it, at that row's pace.
+    row would still need after it: its tokens left at its pace, the last of them at no less than a whole round (the
+    cheapest entry), since a row whose pace is a fraction of a step still takes a round to finish.
 
     Args:
       adaptive: the menu and its costs.
@@ -290,8 +291,13 @@ def soonest_entry(
       pace_b: float32 [B] the rows' steps per emitted token so far (`paces`).
       remaining_b: [B] tokens each row may still generate; 0 for a finished row, which does not count.
     """
-    after = [jnp.max(pace_b * jnp.maximum(remaining_b - expected_tokens(rate_b, d), 0)) for d in depths]
-    return jnp.argmin(adaptive.prices + jnp.stack(after)).astype(jnp.int32)
+    cheapest = jnp.min(adaptive.prices)
+
+    def after(depth):
+        left_b = jnp.maximum(remaining_b - expected_tokens(rate_b, depth), 0)
+        return jnp.max(pace_b * left_b + jnp.maximum(cheapest - pace_b, 0) * jnp.minimum(left_b, 1))
+
+    return jnp.argmin(adaptive.prices + jnp.stack([after(d) for d in depths])).astype(jnp.int32)
 
 
 def menu_shapes(drafter: Any, menu: Sequence[int]) -> list[TreeSpec]:

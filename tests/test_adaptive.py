@@ -215,7 +215,8 @@ def test_a_batch_drafts_as_deep_as_its_slowest_row_gains():
     which take the row its pace (steps per token so far): the entry that ends the batch soonest wins. A row that
     accepts nothing makes drafting useless for the batch however well the others accept; a finished row, or one near
     its end, does not hold the batch back; a row that accepts nothing in this kind of round but has been fast
-    (copied text elsewhere) lets the batch draft deep for a slower one."""
+    (copied text elsewhere) lets the batch draft deep for a slower one. A row's last token takes a whole round,
+    however fast its pace."""
     menu, depths, rate = Adaptive.of((0, 5), [1.0, 1.5]), [0, 5], jnp.array([0.9, 0.0])
     pace = jnp.array([1.5 / 4.69, 1.0])  # each row's best entry at its rate: 5 drafts (E = 4.69), plain steps
     assert int(soonest_entry(menu, depths, rate, pace, jnp.array([100, 100]))) == 0
@@ -228,6 +229,8 @@ def test_a_batch_drafts_as_deep_as_its_slowest_row_gains():
     )  # 2 tokens to go: 100 x 0.32 is longer
     assert int(soonest_entry(menu, depths, rate, jnp.array([0.6, 0.3]), jnp.array([100, 100]))) == 1
     assert int(soonest_entry(menu, depths, rate[:1], pace[:1], jnp.array([1]))) == 0  # its last token: no drafts
+    # 2 tokens to go at 0.32 steps a token: a plain step leaves one, which still takes a whole round (1 + 1 > 1.5)
+    assert int(soonest_entry(menu, depths, rate[:1], pace[:1], jnp.array([2]))) == 1
 
 
 def test_a_rows_pace_starts_at_the_prior_and_follows_its_rounds():
