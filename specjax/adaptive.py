@@ -291,13 +291,14 @@ def soonest_entry(
       pace_b: float32 [B] the rows' steps per emitted token so far (`paces`).
       remaining_b: [B] tokens each row may still generate; 0 for a finished row, which does not count.
     """
-    cheapest = jnp.min(adaptive.prices)
+    prices = adaptive.prices
+    cheapest = jnp.min(prices)
 
     def after(depth):
         left_b = jnp.maximum(remaining_b - expected_tokens(rate_b, depth), 0)
         return jnp.max(pace_b * left_b + jnp.maximum(cheapest - pace_b, 0) * jnp.minimum(left_b, 1))
 
-    return jnp.argmin(adaptive.prices + jnp.stack([after(d) for d in depths])).astype(jnp.int32)
+    return jnp.argmin(prices + jnp.stack([after(d) for d in depths])).astype(jnp.int32)
 
 
 def menu_shapes(drafter: Any, menu: Sequence[int]) -> list[TreeSpec]:

@@ -454,9 +454,11 @@ class Engine:
         """The whole-batch figures a run's learning compares before and after (small)."""
         return state.rounds, state.menu_rounds, state.accepted_hist, state.policy_state
 
-    def _sampling(self, settings: Sequence[SamplingConfig]) -> Sampling:
+    def _sampling(self, settings: Sequence[SamplingConfig], by_rows: bool = False) -> Sampling:
+        """The rows' sampling values, run by the engine's program (greedy unless `sampled`); with `by_rows`, by the
+        greedy one where every row is greedy: the same tokens, without the sampled program's work."""
         sampling = Sampling.of(list(settings), len(settings))
-        return dataclasses.replace(sampling, greedy=not self.sampled)
+        return dataclasses.replace(sampling, greedy=not self.sampled or (by_rows and sampling.greedy))
 
     def idle_share(self) -> float:
         """The share of the row-rounds computed so far whose slot was free (its row finished, or nothing queued to
@@ -521,9 +523,7 @@ class Engine:
         live = self._rows[:rows]
         streamed = np.array([len(r.output) if r else 0 for r in live], np.int32)
         max_new = np.array([r.max_new if r else 1 for r in live], np.int32)
-        settings = [r.sampling if r else SamplingConfig() for r in live]
-        # rows that are all greedy take the greedy program: the same tokens, without the sampled program's work
-        sampling = dataclasses.replace(self._sampling(settings), greedy=all(s.greedy for s in settings))
+        sampling = self._sampling([r.sampling if r else SamplingConfig() for r in live], by_rows=True)
         jax.block_until_ready((self.state, self._prefill and self._prefill.prefilled))  # the time is the run's alone
         t0 = time.perf_counter()
         self.state, emitted = self._call(run, decoder, self.state, streamed, max_new, sampling, np.int32(max_rounds))
